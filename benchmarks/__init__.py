@@ -1,0 +1,1 @@
+"""benchmarks: see ../shared DESIGN map in README."""

@@ -1,0 +1,1 @@
+"""broker_adapter: see ../shared DESIGN map in README."""

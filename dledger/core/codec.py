@@ -1,0 +1,153 @@
+"""Binary codec for entries and peer messages: struct headers, raw payloads, CRC.
+
+Theory of operation: one encoding per value, versioned by a leading byte and
+protected by a CRC32 over everything before it, so that storage and the
+transport reuse exactly the same bytes. Decoding checks length, magic,
+version and CRC and raises :class:`CodecError`; it never guesses. No pickle.
+
+Entry record (little-endian header, 40 bytes + data):
+  magic u16 | version u8 | type u8 | index u64 | term u64 | pos u64 |
+  data_len u32 | crc u32 (over header bytes before it + data) | data
+Message record:
+  magic u16 | version u8 | type u8 | to u64 | frm u64 | term u64 |
+  log_term u64 | index u64 | commit u64 | reject_hint u64 | context u64 |
+  flags u8 | n_entries u32 | entries (each an entry record prefixed by u32
+  length) | crc u32 (over everything before it)
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+from dledger.core.types import ConfChange, ConfChangeType, Entry, EntryType, Message, MsgType
+from dledger.errors import CodecError
+
+ENTRY_MAGIC = 0xD1E0
+MSG_MAGIC = 0xD1E1
+VERSION = 1
+
+_ENTRY_HDR = struct.Struct("<HBBQQQI")
+_CRC = struct.Struct("<I")
+_MSG_HDR = struct.Struct("<HBBQQQQQQQQBI")
+_U32 = struct.Struct("<I")
+_CONF = struct.Struct("<BQ")
+
+ENTRY_OVERHEAD = _ENTRY_HDR.size + _CRC.size
+
+
+def encode_entry(e: Entry) -> bytes:
+    hdr = _ENTRY_HDR.pack(ENTRY_MAGIC, VERSION, int(e.type), e.index, e.term, e.pos, len(e.data))
+    crc = zlib.crc32(e.data, zlib.crc32(hdr))
+    return b"".join((hdr, _CRC.pack(crc), e.data))
+
+
+def decode_entry(buf: bytes | memoryview) -> Entry:
+    mv = memoryview(buf)
+    if len(mv) < ENTRY_OVERHEAD:
+        raise CodecError(f"entry record too short: {len(mv)} bytes")
+    magic, version, etype, index, term, pos, n = _ENTRY_HDR.unpack_from(mv, 0)
+    if magic != ENTRY_MAGIC:
+        raise CodecError(f"bad entry magic 0x{magic:04x}")
+    if version != VERSION:
+        raise CodecError(f"unsupported entry version {version}")
+    if len(mv) != ENTRY_OVERHEAD + n:
+        raise CodecError(f"entry length mismatch: header says {n}, have {len(mv) - ENTRY_OVERHEAD}")
+    (crc,) = _CRC.unpack_from(mv, _ENTRY_HDR.size)
+    data = bytes(mv[ENTRY_OVERHEAD:])
+    if zlib.crc32(data, zlib.crc32(mv[: _ENTRY_HDR.size])) != crc:
+        raise CodecError(f"entry {index} failed its CRC check")
+    try:
+        et = EntryType(etype)
+    except ValueError:
+        raise CodecError(f"unknown entry type {etype}") from None
+    return Entry(index=index, term=term, type=et, data=data, pos=pos)
+
+
+def encode_message(m: Message) -> bytes:
+    flags = (1 if m.reject else 0) | (2 if m.force else 0)
+    parts = [
+        _MSG_HDR.pack(
+            MSG_MAGIC,
+            VERSION,
+            int(m.type),
+            m.to,
+            m.frm,
+            m.term,
+            m.log_term,
+            m.index,
+            m.commit,
+            m.reject_hint,
+            m.context,
+            flags,
+            len(m.entries),
+        )
+    ]
+    for e in m.entries:
+        rec = encode_entry(e)
+        parts.append(_U32.pack(len(rec)))
+        parts.append(rec)
+    body = b"".join(parts)
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def decode_message(buf: bytes | memoryview) -> Message:
+    mv = memoryview(buf)
+    if len(mv) < _MSG_HDR.size + _CRC.size:
+        raise CodecError(f"message too short: {len(mv)} bytes")
+    (crc,) = _CRC.unpack_from(mv, len(mv) - _CRC.size)
+    if zlib.crc32(mv[: len(mv) - _CRC.size]) != crc:
+        raise CodecError("message failed its CRC check")
+    (magic, version, mtype, to, frm, term, log_term, index, commit, hint, ctx, flags, n) = (
+        _MSG_HDR.unpack_from(mv, 0)
+    )
+    if magic != MSG_MAGIC:
+        raise CodecError(f"bad message magic 0x{magic:04x}")
+    if version != VERSION:
+        raise CodecError(f"unsupported message version {version}")
+    try:
+        mt = MsgType(mtype)
+    except ValueError:
+        raise CodecError(f"unknown message type {mtype}") from None
+    off = _MSG_HDR.size
+    end = len(mv) - _CRC.size
+    entries = []
+    for _ in range(n):
+        if off + 4 > end:
+            raise CodecError("message truncated inside its entries")
+        (ln,) = _U32.unpack_from(mv, off)
+        off += 4
+        if off + ln > end:
+            raise CodecError("message truncated inside an entry")
+        entries.append(decode_entry(mv[off : off + ln]))
+        off += ln
+    if off != end:
+        raise CodecError(f"{end - off} trailing bytes after the message's entries")
+    return Message(
+        type=mt,
+        to=to,
+        frm=frm,
+        term=term,
+        log_term=log_term,
+        index=index,
+        entries=tuple(entries),
+        commit=commit,
+        reject=bool(flags & 1),
+        reject_hint=hint,
+        context=ctx,
+        force=bool(flags & 2),
+    )
+
+
+def encode_conf_change(cc: ConfChange) -> bytes:
+    return _CONF.pack(int(cc.type), cc.node_id)
+
+
+def decode_conf_change(data: bytes) -> ConfChange:
+    if len(data) != _CONF.size:
+        raise CodecError(f"conf change record has {len(data)} bytes, expected {_CONF.size}")
+    t, nid = _CONF.unpack(data)
+    try:
+        return ConfChange(ConfChangeType(t), nid)
+    except ValueError:
+        raise CodecError(f"unknown conf change type {t}") from None

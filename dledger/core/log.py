@@ -1,0 +1,162 @@
+"""The core's view of the Raft log: stable entries (in storage) + unstable ones.
+
+Theory of operation. Entries the core appended but the driver has not yet
+persisted live in ``_unstable`` (indexes ``_unstable_offset ..``). Everything
+below ``_unstable_offset`` is read from the injected :class:`LogStorage`. A
+follower that truncates a conflicting suffix moves ``_unstable_offset`` below
+the storage's last index; lookups at or above the offset never consult the
+storage, so the stale stored suffix is invisible until the driver overwrites it
+(``LogStorage.append`` replaces the suffix).
+
+Invariants: ``applied <= committed <= last_index()``; ``committed`` never
+decreases (raising :class:`InvariantViolation` instead); the storage is only
+read here, never written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dledger.core.types import Entry
+from dledger.errors import Compacted, InvariantViolation
+from dledger.storage.base import LogStorage
+
+
+class RaftLog:
+    def __init__(self, storage: LogStorage, committed: int, applied: int) -> None:
+        self.storage = storage
+        self._unstable: list[Entry] = []
+        self._unstable_offset = storage.last_index() + 1
+        last = self.last_index()
+        # A saved commit index past the durable log (a damaged or truncated
+        # tail) is clamped, never trusted: we cannot apply what we lack.
+        self.committed = min(committed, last)
+        self.applied = max(min(applied, self.committed), storage.first_index() - 1)
+        self.committed = max(self.committed, self.applied)
+        self._last_end_pos = self._end_pos_of(last)
+
+    # -- reads --------------------------------------------------------------
+    def first_index(self) -> int:
+        return self.storage.first_index()
+
+    def last_index(self) -> int:
+        return self._unstable_offset - 1 + len(self._unstable)
+
+    def stable_last_index(self) -> int:
+        return self._unstable_offset - 1
+
+    def last_term(self) -> int:
+        return self.term(self.last_index())
+
+    def last_end_pos(self) -> int:
+        return self._last_end_pos
+
+    def term(self, index: int) -> int:
+        """Term of ``index``; 0 for index 0 or past the end. Raises Compacted."""
+        if index == 0:
+            return 0
+        if index >= self._unstable_offset:
+            k = index - self._unstable_offset
+            return self._unstable[k].term if k < len(self._unstable) else 0
+        return self.storage.term(index)
+
+    def match_term(self, index: int, term: int) -> bool:
+        try:
+            return self.term(index) == term and index <= self.last_index()
+        except Compacted:
+            return False
+
+    def is_up_to_date(self, last_index: int, last_term: int) -> bool:
+        """Raft section 5.4.1: is a candidate's log at least as up to date as ours?"""
+        my_term = self.last_term()
+        return last_term > my_term or (last_term == my_term and last_index >= self.last_index())
+
+    def entries(self, lo: int, hi: int, max_bytes: int | None = None) -> list[Entry]:
+        """Entries in ``[lo, hi)``: at least one if any, then up to ``max_bytes``
+        of data in total. Raises Compacted below the first index."""
+        hi = min(hi, self.last_index() + 1)
+        if lo >= hi:
+            return []
+        out: list[Entry] = []
+        budget = max_bytes
+        if lo < self._unstable_offset:
+            stable_hi = min(hi, self._unstable_offset)
+            out = self.storage.entries(lo, stable_hi, budget)
+            if not out or out[-1].index + 1 < stable_hi:
+                return out  # the byte budget ran out inside the stable part
+            if budget is not None:
+                budget -= sum(len(e.data) for e in out)
+            lo = stable_hi
+        for e in self._unstable[lo - self._unstable_offset : hi - self._unstable_offset]:
+            if budget is not None:
+                if out and len(e.data) > budget:
+                    break
+                budget -= len(e.data)
+            out.append(e)
+        return out
+
+    def unstable_entries(self) -> tuple[Entry, ...]:
+        return tuple(self._unstable)
+
+    def has_next_committed(self) -> bool:
+        return self.committed > self.applied
+
+    def next_committed(self, max_bytes: int) -> list[Entry]:
+        if self.committed <= self.applied:
+            return []
+        return self.entries(self.applied + 1, self.committed + 1, max_bytes)
+
+    # -- writes (in memory; the driver persists) ------------------------------
+    def append(self, ents: Sequence[Entry]) -> None:
+        """Append ``ents``, replacing any suffix starting at ``ents[0].index``."""
+        if not ents:
+            return
+        first = ents[0].index
+        if first <= self.committed:
+            raise InvariantViolation(
+                f"truncating committed entries: append at {first}, committed {self.committed}"
+            )
+        if first > self.last_index() + 1:
+            raise InvariantViolation(f"append at {first} leaves a gap after {self.last_index()}")
+        if first >= self._unstable_offset:
+            del self._unstable[first - self._unstable_offset :]
+        else:
+            # The conflicting suffix reaches into stable storage: everything
+            # from ``first`` is now unstable and the stored copy is shadowed.
+            self._unstable = []
+            self._unstable_offset = first
+        self._unstable.extend(ents)
+        self._last_end_pos = ents[-1].end_pos
+
+    def commit_to(self, index: int) -> bool:
+        if index <= self.committed:
+            return False
+        if index > self.last_index():
+            raise InvariantViolation(
+                f"commit {index} beyond the last index {self.last_index()}"
+            )
+        self.committed = index
+        return True
+
+    def applied_to(self, index: int) -> None:
+        if index > self.committed or index < self.applied:
+            raise InvariantViolation(
+                f"applied_to({index}) outside [{self.applied}, {self.committed}]"
+            )
+        self.applied = index
+
+    def stable_to(self, index: int, term: int) -> None:
+        """The driver persisted entries up to ``index`` (of ``term``)."""
+        if index < self._unstable_offset:
+            return
+        k = index - self._unstable_offset
+        if k >= len(self._unstable) or self._unstable[k].term != term:
+            return  # replaced since that Ready was taken; persist it next time
+        del self._unstable[: k + 1]
+        self._unstable_offset = index + 1
+
+    # -- helpers -------------------------------------------------------------
+    def _end_pos_of(self, index: int) -> int:
+        if index < self.storage.first_index():
+            return self.storage.front_pos()
+        return self.storage.entries(index, index + 1)[0].end_pos

@@ -1,0 +1,113 @@
+"""Per-follower replication progress, kept by the leader (etcd's tracker).
+
+A follower is in one of two states:
+
+* PROBE: we do not know where its log matches ours. Send one AppendEntries
+  and wait (``probe_sent``) until it answers or a heartbeat response arrives;
+  a rejection moves ``next`` back (using the follower's hint).
+* REPLICATE: the follower matched recently; stream entries optimistically,
+  advancing ``next`` as we send, with at most ``max_inflight`` unacknowledged
+  messages in flight (pipelining with a bounded window).
+
+``match`` never moves backwards: a stale success reply (delayed or
+duplicated) carries a lower index and is ignored (SCENARIOS 7).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+
+
+class ProgressState(enum.IntEnum):
+    PROBE = 0
+    REPLICATE = 1
+
+
+class Progress:
+    __slots__ = (
+        "inflight",
+        "is_learner",
+        "match",
+        "max_inflight",
+        "next",
+        "probe_sent",
+        "recent_active",
+        "state",
+    )
+
+    def __init__(self, next_index: int, max_inflight: int, is_learner: bool) -> None:
+        self.match = 0
+        self.next = next_index
+        self.state = ProgressState.PROBE
+        self.probe_sent = False
+        self.inflight: deque[int] = deque()
+        self.max_inflight = max_inflight
+        self.recent_active = False
+        self.is_learner = is_learner
+
+    def __repr__(self) -> str:
+        return (
+            f"Progress(match={self.match}, next={self.next}, state={self.state.name}, "
+            f"inflight={len(self.inflight)}, learner={self.is_learner})"
+        )
+
+    def become_probe(self) -> None:
+        self.state = ProgressState.PROBE
+        self.next = self.match + 1
+        self.probe_sent = False
+        self.inflight.clear()
+
+    def become_replicate(self) -> None:
+        self.state = ProgressState.REPLICATE
+        self.next = self.match + 1
+        self.probe_sent = False
+        self.inflight.clear()
+
+    def maybe_update(self, index: int) -> bool:
+        """A success reply acknowledging ``index``. True if match advanced."""
+        updated = False
+        if index > self.match:
+            self.match = index
+            self.probe_sent = False
+            updated = True
+        self.next = max(self.next, index + 1)
+        return updated
+
+    def maybe_decr_to(self, rejected: int, hint: int) -> bool:
+        """A rejection of the append whose previous index was ``rejected``.
+
+        Returns False for a stale rejection (one that no longer matches what we
+        last sent), which must be ignored."""
+        if self.state is ProgressState.REPLICATE:
+            if rejected <= self.match:
+                return False
+            self.next = self.match + 1
+            return True
+        if self.next - 1 != rejected:
+            return False
+        self.next = max(min(rejected, hint + 1), self.match + 1, 1)
+        self.probe_sent = False
+        return True
+
+    def is_paused(self) -> bool:
+        if self.state is ProgressState.PROBE:
+            return self.probe_sent
+        return len(self.inflight) >= self.max_inflight
+
+    def sent_entries(self, last_index: int | None) -> None:
+        """Record an AppendEntries sent; ``last_index`` is its last entry, if any."""
+        if self.state is ProgressState.REPLICATE:
+            if last_index is not None:
+                self.next = last_index + 1
+                self.inflight.append(last_index)
+        else:
+            self.probe_sent = True
+
+    def free_inflight_to(self, index: int) -> None:
+        while self.inflight and self.inflight[0] <= index:
+            self.inflight.popleft()
+
+    def free_first_inflight(self) -> None:
+        if self.inflight:
+            self.inflight.popleft()

@@ -1,0 +1,912 @@
+"""The Raft state machine: pure, deterministic, driven by ticks and messages.
+
+Theory of operation
+-------------------
+``RawNode`` owns terms, votes, roles, the log's commit index, replication
+progress, the leader lease, read requests, leadership transfer and
+membership. It performs no I/O: inputs are ``tick()``, ``step(msg)``,
+``propose()``, ``read_index()``, ``transfer_leadership()`` and
+``propose_conf_change()``; every output is collected into a :class:`Ready`
+that the driver must handle in order (persist, send, apply, then
+``advance``). The driver must not call any input method between ``ready()``
+and ``advance()``: inputs that arrive meanwhile are queued by the driver and
+stepped afterwards, which is what makes one fsync cover many proposals
+(group commit).
+
+Roles are step functions chosen on transition (``_become_*`` sets
+``self._step_role``); term handling happens once, in :meth:`step`.
+Randomness comes only from the injected ``random.Random``; peers are always
+visited in sorted order, so a seed reproduces a run exactly.
+
+Stickiness, lease and their soundness
+-------------------------------------
+A node that heard from a leader less than ``election_ticks`` ago (or booted
+less than ``election_ticks`` ago, because a restart forgets whom it heard)
+ignores pre-vote and vote requests, unless the request is forced by a
+leadership transfer. The leader counts its lease from the tick at which it
+*sent* a heartbeat round that a quorum of voters acknowledged; it lasts
+``election_ticks - lease_drift_ticks``. Every voter that acknowledged that
+round reset its election timer on receipt (after the send), so no quorum can
+elect another leader before the lease ends, up to the drift margin between
+tick rates. A transfer gives the lease up at once (the transferee's forced
+campaign bypasses stickiness), and an aborted transfer leaves the lease off
+for the rest of the term, because a delayed TimeoutNow could still arrive.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dledger.core.codec import decode_conf_change, encode_conf_change
+from dledger.core.log import RaftLog
+from dledger.core.progress import Progress, ProgressState
+from dledger.core.types import (
+    NONE,
+    ClusterConfig,
+    ConfChange,
+    ConfChangeType,
+    Entry,
+    EntryType,
+    HardState,
+    Message,
+    MsgType,
+    RaftConfig,
+    ReadFailed,
+    ReadMode,
+    ReadState,
+    Ready,
+    Role,
+    SoftState,
+)
+from dledger.errors import (
+    Compacted,
+    DLedgerError,
+    InvariantViolation,
+    NotLeader,
+    ProposalDropped,
+    TransferInProgress,
+)
+from dledger.storage.base import LogStorage, StableStore
+
+# Fault switches (for the simulator's "the checker can fail" tests). Each one
+# breaks exactly one protocol rule; production configs never set them.
+FAULT_COMMIT_OLD_TERM = "commit_old_term"  # commit earlier-term entries by counting
+FAULT_SKIP_VOTE_PERSIST = "skip_vote_persist"  # vote not written to stable storage
+FAULT_VOTE_DESPITE_LEADER = "vote_despite_leader"  # no stickiness
+FAULT_LEASE_IGNORES_EXPIRY = "lease_ignores_expiry"  # serve reads under an expired lease
+FAULT_TRUNCATE_WITHOUT_CONFLICT = "truncate_without_conflict"  # SCENARIOS 6
+CORE_FAULTS = frozenset(
+    {
+        FAULT_COMMIT_OLD_TERM,
+        FAULT_SKIP_VOTE_PERSIST,
+        FAULT_VOTE_DESPITE_LEADER,
+        FAULT_LEASE_IGNORES_EXPIRY,
+        FAULT_TRUNCATE_WITHOUT_CONFLICT,
+    }
+)
+
+_VOTE_RESP = {MsgType.VOTE: MsgType.VOTE_RESP, MsgType.PRE_VOTE: MsgType.PRE_VOTE_RESP}
+
+
+@dataclass(frozen=True, slots=True)
+class PeerStatus:
+    match: int
+    next: int
+    state: str
+    learner: bool
+    recent_active: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    id: int
+    role: Role
+    term: int
+    leader: int
+    vote: int
+    commit: int
+    applied: int
+    last_index: int
+    lease_remaining_ticks: int
+    transferee: int
+    config: ClusterConfig
+    peers: dict[int, PeerStatus]
+
+
+class RawNode:
+    """One Raft participant. See the module docstring for the contract."""
+
+    def __init__(
+        self,
+        cfg: RaftConfig,
+        log_storage: LogStorage,
+        stable: StableStore,
+        rng: random.Random,
+        applied: int = 0,
+    ) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.id = cfg.node_id
+        self._rng = rng
+        self._faults = cfg.faults
+        hs = stable.hard_state()
+        self.term = hs.term
+        self.vote = hs.vote
+        self.log = RaftLog(log_storage, hs.commit, applied)
+        self._prev_hs = HardState(hs.term, hs.vote, self.log.committed)
+        self.config = self._config_at(self.log.applied)
+        self.lead = NONE
+        self.role = Role.FOLLOWER
+        self._prev_soft = SoftState(self._visible_role(), NONE, self.term)
+        self._step_role: Callable[[Message], None] = self._step_follower
+        self._msgs: list[Message] = []
+        self._read_states: list[ReadState] = []
+        self._read_failures: list[ReadFailed] = []
+        self._tick_count = 0
+        self._election_elapsed = 0
+        self._heartbeat_elapsed = 0
+        self._randomized_timeout = cfg.election_ticks
+        self._votes: dict[int, bool] = {}
+        self._progress: dict[int, Progress] = {}
+        self._pending_conf_index = 0
+        self._transferee = NONE
+        self._pending_bcast = False
+        # lease / ReadIndex bookkeeping (leader only)
+        self._hb_round = 0
+        self._hb_sent_tick: dict[int, int] = {}
+        self._acked_round: dict[int, int] = {}
+        self._lease_expiry_tick = -1
+        self._lease_disabled = False
+        self._need_read_round = False
+        self._pending_reads: list[tuple[int, int, int]] = []  # (ctx, round, index)
+        self._reads_before_commit: list[int] = []  # ctx waiting for the no-op
+        self._taken: tuple[int, int, int] | None = None  # (last entry idx, term, applied)
+        self._reset_randomized_timeout()
+
+    # ======================================================================
+    # Public inputs
+    # ======================================================================
+    def tick(self) -> None:
+        """Advance logical time by one tick."""
+        self._tick_count += 1
+        if self.role is Role.LEADER:
+            self._tick_leader()
+        else:
+            self._tick_election()
+
+    def step(self, m: Message) -> None:
+        """Feed one message from a peer. Term rules are applied here, once."""
+        if m.to != self.id:
+            return
+        if m.term > self.term:
+            if m.type in (MsgType.VOTE, MsgType.PRE_VOTE) and (
+                not m.force
+                and self.cfg.check_quorum
+                and self._in_stickiness()
+                and FAULT_VOTE_DESPITE_LEADER not in self._faults
+            ):
+                return  # heard from a live leader recently: ignore, no reply
+            if m.type is MsgType.PRE_VOTE or (m.type is MsgType.PRE_VOTE_RESP and not m.reject):
+                pass  # a pre-vote never changes anyone's term
+            elif m.type in (MsgType.APP, MsgType.HEARTBEAT):
+                self._become_follower(m.term, m.frm)
+            else:
+                self._become_follower(m.term, NONE)
+        elif m.term < self.term:
+            if m.type in (MsgType.APP, MsgType.HEARTBEAT):
+                # A stale leader (e.g. healed after a partition) must learn the
+                # new term, or with pre-vote it could wait forever.
+                self._send(Message(MsgType.APP_RESP, m.frm, self.id, self.term))
+            elif m.type is MsgType.PRE_VOTE:
+                self._send(
+                    Message(MsgType.PRE_VOTE_RESP, m.frm, self.id, self.term, reject=True)
+                )
+            return
+
+        if m.type in (MsgType.VOTE, MsgType.PRE_VOTE):
+            self._handle_vote_request(m)
+            return
+        self._step_role(m)
+
+    def propose(self, data: bytes) -> int:
+        """Append ``data`` as a new entry; returns its index (not yet committed)."""
+        return self._propose(EntryType.NORMAL, data)
+
+    def propose_conf_change(self, cc: ConfChange) -> int:
+        """Single-server membership change, one at a time, through the log."""
+        if self.role is not Role.LEADER:
+            raise NotLeader(self.lead)
+        if self._pending_conf_index > self.log.applied:
+            raise ProposalDropped("a membership change is already in progress")
+        cur = self.config
+        nid = cc.node_id
+        if nid <= 0:
+            raise ProposalDropped("node id must be >= 1")
+        if cc.type is ConfChangeType.ADD_VOTER and cur.is_voter(nid):
+            raise ProposalDropped(f"node {nid} is already a voter")
+        if cc.type is ConfChangeType.ADD_LEARNER and nid in cur.members():
+            raise ProposalDropped(f"node {nid} is already a member")
+        if cc.type is ConfChangeType.PROMOTE_LEARNER:
+            if not cur.is_learner(nid):
+                raise ProposalDropped(f"node {nid} is not a learner")
+            pr = self._progress.get(nid)
+            if pr is None or self.log.last_index() - pr.match > self.cfg.transfer_max_lag:
+                raise ProposalDropped(f"learner {nid} is not caught up yet")
+        if cc.type is ConfChangeType.REMOVE_NODE:
+            if nid not in cur.members():
+                raise ProposalDropped(f"node {nid} is not a member")
+            if cur.voters == (nid,):
+                raise ProposalDropped("cannot remove the last voter")
+        idx = self._propose(EntryType.CONF_CHANGE, encode_conf_change(cc))
+        self._pending_conf_index = idx
+        return idx
+
+    def read_index(self, ctx: int) -> None:
+        """Ask for a linearizable read. The answer comes back in a later Ready as
+        ``ReadState(ctx, index, mode)`` (serve once applied >= index) or as
+        ``ReadFailed(ctx)``. Raises NotLeader on a non-leader."""
+        if self.role is not Role.LEADER:
+            raise NotLeader(self.lead)
+        if not self._committed_in_term():
+            self._reads_before_commit.append(ctx)  # wait for our no-op to commit
+            return
+        self._serve_read(ctx)
+
+    def transfer_leadership(self, to: int) -> None:
+        """Hand leadership to voter ``to`` (TimeoutNow once it is caught up).
+
+        The lease ends at once; proposals are refused until the transfer
+        completes or aborts after an election timeout."""
+        if self.role is not Role.LEADER:
+            raise NotLeader(self.lead)
+        if to == self.id:
+            return
+        if not self.config.is_voter(to):
+            raise DLedgerError(f"node {to} is not a voter; only voters can lead")
+        pr = self._progress[to]
+        if self.log.last_index() - pr.match > self.cfg.transfer_max_lag or not pr.recent_active:
+            raise DLedgerError(
+                f"node {to} is not caught up (match {pr.match}, last {self.log.last_index()})"
+            )
+        if self._transferee == to:
+            return
+        self._transferee = to
+        self._election_elapsed = 0  # the transfer aborts after one election timeout
+        self._lease_expiry_tick = -1
+        self._lease_disabled = True
+        if pr.match == self.log.last_index():
+            self._send(Message(MsgType.TIMEOUT_NOW, to, self.id, self.term))
+        else:
+            self._send_append(to)
+
+    def campaign(self) -> None:
+        """Start an election now (used by tests and by a single-node bootstrap)."""
+        if self.role is not Role.LEADER and self._promotable():
+            self._campaign(pre=self.cfg.pre_vote, force=False)
+
+    # ======================================================================
+    # Ready / advance
+    # ======================================================================
+    def has_ready(self) -> bool:
+        self._flush_pending()
+        return bool(
+            self._msgs
+            or self._read_states
+            or self._read_failures
+            or self.log.unstable_entries()
+            or self.log.has_next_committed()
+            or self._hard_state() != self._prev_hs
+            or self._soft_state() != self._prev_soft
+        )
+
+    def ready(self) -> Ready:
+        """Collect pending work. See :class:`Ready` for the order the driver must keep."""
+        self._flush_pending()
+        hs = self._hard_state()
+        soft = self._soft_state()
+        entries = self.log.unstable_entries()
+        committed = tuple(self.log.next_committed(self.cfg.max_apply_bytes))
+        rd = Ready(
+            soft_state=soft if soft != self._prev_soft else None,
+            hard_state=hs if hs != self._prev_hs else None,
+            entries=entries,
+            messages=tuple(self._msgs),
+            committed_entries=committed,
+            read_states=tuple(self._read_states),
+            read_failures=tuple(self._read_failures),
+            must_sync=bool(entries)
+            or hs.term != self._prev_hs.term
+            or hs.vote != self._prev_hs.vote,
+        )
+        self._msgs = []
+        self._read_states = []
+        self._read_failures = []
+        self._prev_soft = soft
+        self._prev_hs = hs
+        return rd
+
+    def advance(self, rd: Ready) -> None:
+        """The driver persisted, sent and applied ``rd``."""
+        if rd.entries:
+            last = rd.entries[-1]
+            self.log.stable_to(last.index, last.term)
+        if rd.committed_entries:
+            for e in rd.committed_entries:
+                if e.type is EntryType.CONF_CHANGE:
+                    self._apply_conf_change(decode_conf_change(e.data))
+            self.log.applied_to(rd.committed_entries[-1].index)
+        if self.role is Role.LEADER:
+            # Our own copy counts toward commit only once it is durable.
+            self._progress[self.id].maybe_update(self.log.stable_last_index())
+            if self._maybe_commit():
+                self._bcast_append()
+
+    # ======================================================================
+    # Introspection
+    # ======================================================================
+    @property
+    def tick_count(self) -> int:
+        return self._tick_count
+
+    @property
+    def transferee(self) -> int:
+        return self._transferee
+
+    def lease_valid(self) -> bool:
+        """True when a linearizable read may be served locally right now."""
+        if self.role is not Role.LEADER or not self.cfg.check_quorum:
+            return False
+        if self._lease_disabled or self._transferee != NONE or not self._committed_in_term():
+            return False
+        if FAULT_LEASE_IGNORES_EXPIRY in self._faults:
+            return self._lease_expiry_tick >= 0
+        return self._tick_count < self._lease_expiry_tick
+
+    def lease_remaining_ticks(self) -> int:
+        return max(0, self._lease_expiry_tick - self._tick_count) if self.lease_valid() else 0
+
+    def status(self) -> Status:
+        peers = {
+            pid: PeerStatus(
+                pr.match, pr.next, pr.state.name, pr.is_learner, pr.recent_active
+            )
+            for pid, pr in sorted(self._progress.items())
+        }
+        return Status(
+            id=self.id,
+            role=self._visible_role(),
+            term=self.term,
+            leader=self.lead,
+            vote=self.vote,
+            commit=self.log.committed,
+            applied=self.log.applied,
+            last_index=self.log.last_index(),
+            lease_remaining_ticks=self.lease_remaining_ticks(),
+            transferee=self._transferee,
+            config=self.config,
+            peers=peers,
+        )
+
+    # ======================================================================
+    # Roles
+    # ======================================================================
+    def _reset(self, term: int) -> None:
+        if self.term != term:
+            self.term = term
+            self.vote = NONE
+        self.lead = NONE
+        self._election_elapsed = 0
+        self._heartbeat_elapsed = 0
+        self._reset_randomized_timeout()
+        self._votes = {}
+        self._transferee = NONE
+        self._pending_bcast = False
+        self._lease_expiry_tick = -1
+        self._lease_disabled = False
+        self._hb_sent_tick = {}
+        self._acked_round = {}
+        self._need_read_round = False
+
+    def _become_follower(self, term: int, lead: int) -> None:
+        self._reset(term)
+        self.lead = lead
+        self._fail_pending_reads()  # only a leader has any; tell them who leads now
+        self.role = Role.FOLLOWER
+        self._step_role = self._step_follower
+        self._progress = {}
+
+    def _become_pre_candidate(self) -> None:
+        if self.role is Role.LEADER:
+            raise InvariantViolation("leader cannot become pre-candidate")
+        # No term change and no vote: a pre-vote must not disturb anyone.
+        self._votes = {}
+        self.lead = NONE
+        self.role = Role.PRE_CANDIDATE
+        self._step_role = self._step_candidate
+
+    def _become_candidate(self) -> None:
+        if self.role is Role.LEADER:
+            raise InvariantViolation("leader cannot become candidate")
+        self._reset(self.term + 1)
+        self.vote = self.id
+        self.role = Role.CANDIDATE
+        self._step_role = self._step_candidate
+
+    def _become_leader(self) -> None:
+        if self.role is Role.FOLLOWER:
+            raise InvariantViolation("follower cannot become leader directly")
+        self._reset(self.term)
+        self.lead = self.id
+        self.role = Role.LEADER
+        self._step_role = self._step_leader
+        self._init_progress()
+        # Raft section 8: a no-op of our term commits everything before it; no
+        # read, membership change or lease until it has committed.
+        self._append_entry(EntryType.NOOP, b"")
+        self._pending_conf_index = self.log.last_index()
+        self._bcast_append()
+
+    def _init_progress(self) -> None:
+        nxt = self.log.last_index() + 1
+        self._progress = {}
+        for nid in self.config.members():
+            pr = Progress(nxt, self.cfg.max_inflight_msgs, self.config.is_learner(nid))
+            if nid == self.id:
+                pr.match = self.log.stable_last_index()
+                pr.next = nxt
+                pr.recent_active = True
+            self._progress[nid] = pr
+
+    # ======================================================================
+    # Timers
+    # ======================================================================
+    def _tick_election(self) -> None:
+        self._election_elapsed += 1
+        if self._promotable() and self._election_elapsed >= self._randomized_timeout:
+            self._election_elapsed = 0
+            self._campaign(pre=self.cfg.pre_vote, force=False)
+
+    def _tick_leader(self) -> None:
+        self._heartbeat_elapsed += 1
+        self._election_elapsed += 1
+        if self._election_elapsed >= self.cfg.election_ticks:
+            self._election_elapsed = 0
+            if self.cfg.check_quorum and not self._quorum_active():
+                self._become_follower(self.term, NONE)
+                return
+            for nid, pr in self._progress.items():
+                if nid != self.id:
+                    pr.recent_active = False
+            if self._transferee != NONE:
+                self._transferee = NONE  # abort; the lease stays off this term
+        if self._heartbeat_elapsed >= self.cfg.heartbeat_ticks:
+            self._heartbeat_elapsed = 0
+            self._bcast_heartbeat()
+
+    def _reset_randomized_timeout(self) -> None:
+        e = self.cfg.election_ticks
+        self._randomized_timeout = e + self._rng.randrange(e)
+
+    def _in_stickiness(self) -> bool:
+        """Heard from a live leader (or booted) less than an election timeout ago."""
+        e = self.cfg.election_ticks
+        if self.role is Role.LEADER:
+            return True  # check-quorum steps us down if we lose the quorum
+        if self._tick_count < e:
+            return True  # a restart forgets whom we heard: stay quiet first
+        return self.lead != NONE and self._election_elapsed < e
+
+    # ======================================================================
+    # Elections
+    # ======================================================================
+    def _promotable(self) -> bool:
+        return self.config.is_voter(self.id)
+
+    def _campaign(self, *, pre: bool, force: bool) -> None:
+        if pre:
+            self._become_pre_candidate()
+            term = self.term + 1
+            mtype = MsgType.PRE_VOTE
+        else:
+            self._become_candidate()
+            term = self.term
+            mtype = MsgType.VOTE
+        self._votes[self.id] = True
+        if self._tally() == "won":
+            self._after_win(pre)
+            return
+        for nid in self.config.voters:
+            if nid == self.id:
+                continue
+            self._send(
+                Message(
+                    mtype,
+                    nid,
+                    self.id,
+                    term,
+                    log_term=self.log.last_term(),
+                    index=self.log.last_index(),
+                    force=force,
+                )
+            )
+
+    def _after_win(self, pre: bool) -> None:
+        if pre:
+            self._campaign(pre=False, force=False)
+        else:
+            self._become_leader()
+
+    def _tally(self) -> str:
+        q = self.config.quorum()
+        granted = sum(1 for nid, v in self._votes.items() if v and self.config.is_voter(nid))
+        rejected = sum(1 for nid, v in self._votes.items() if not v and self.config.is_voter(nid))
+        if granted >= q:
+            return "won"
+        if rejected >= q:
+            return "lost"
+        return "pending"
+
+    def _handle_vote_request(self, m: Message) -> None:
+        resp_type = _VOTE_RESP[m.type]
+        if not self.config.is_voter(self.id):
+            return  # learners and removed nodes never vote
+        if not self.config.is_voter(m.frm):
+            # A removed (or not yet added) node must not disrupt the members.
+            self._send(Message(resp_type, m.frm, self.id, self.term, reject=True))
+            return
+        can_vote = (
+            self.vote == m.frm
+            or (self.vote == NONE and self.lead == NONE)
+            or (m.type is MsgType.PRE_VOTE and m.term > self.term)
+        )
+        if can_vote and self.log.is_up_to_date(m.index, m.log_term):
+            # A pre-vote reply carries the term asked about so the
+            # pre-candidate recognises it; a real vote is persisted (hard
+            # state in the next Ready) before this reply leaves.
+            self._send(Message(resp_type, m.frm, self.id, m.term))
+            if m.type is MsgType.VOTE:
+                self._election_elapsed = 0
+                self.vote = m.frm
+        else:
+            self._send(Message(resp_type, m.frm, self.id, self.term, reject=True))
+
+    def _step_candidate(self, m: Message) -> None:
+        my_resp = MsgType.PRE_VOTE_RESP if self.role is Role.PRE_CANDIDATE else MsgType.VOTE_RESP
+        if m.type in (MsgType.APP, MsgType.HEARTBEAT):
+            # A leader of our term exists (term equal here).
+            self._become_follower(m.term, m.frm)
+            self._step_follower(m)
+        elif m.type is my_resp:
+            self._votes.setdefault(m.frm, not m.reject)
+            res = self._tally()
+            if res == "won":
+                self._after_win(self.role is Role.PRE_CANDIDATE)
+            elif res == "lost":
+                self._become_follower(self.term, NONE)
+        elif m.type is MsgType.TIMEOUT_NOW:
+            pass  # not a follower of the sender: ignore
+
+    # ======================================================================
+    # Follower
+    # ======================================================================
+    def _step_follower(self, m: Message) -> None:
+        if m.type is MsgType.APP:
+            self._election_elapsed = 0
+            self.lead = m.frm
+            self._handle_append(m)
+        elif m.type is MsgType.HEARTBEAT:
+            self._election_elapsed = 0
+            self.lead = m.frm
+            self.log.commit_to(min(m.commit, self.log.last_index()))
+            self._send(
+                Message(MsgType.HEARTBEAT_RESP, m.frm, self.id, self.term, context=m.context)
+            )
+        elif m.type is MsgType.TIMEOUT_NOW and m.frm == self.lead and self._promotable():
+            # Transfer: campaign at once, bypassing pre-vote and stickiness.
+            self._campaign(pre=False, force=True)
+
+    def _handle_append(self, m: Message) -> None:
+        if m.index < self.log.committed:
+            self._send(
+                Message(MsgType.APP_RESP, m.frm, self.id, self.term, index=self.log.committed)
+            )
+            return
+        if self.log.match_term(m.index, m.log_term):
+            last_new = m.index + len(m.entries)
+            if (
+                FAULT_TRUNCATE_WITHOUT_CONFLICT in self._faults
+                and m.entries
+                and m.entries[0].index > self.log.committed
+            ):
+                # Broken on purpose: replace the whole suffix even when nothing
+                # conflicts, so a delayed append shortens an acknowledged log.
+                self.log.append(m.entries)
+            else:
+                conflict = self._find_conflict(m.entries)
+                if conflict:
+                    if conflict <= self.log.committed:
+                        raise InvariantViolation(
+                            f"entry {conflict} conflicts with a committed entry"
+                        )
+                    self.log.append(m.entries[conflict - m.index - 1 :])
+            self.log.commit_to(min(m.commit, last_new))
+            self._send(Message(MsgType.APP_RESP, m.frm, self.id, self.term, index=last_new))
+        else:
+            hint = min(m.index, self.log.last_index())
+            self._send(
+                Message(
+                    MsgType.APP_RESP,
+                    m.frm,
+                    self.id,
+                    self.term,
+                    index=m.index,
+                    reject=True,
+                    reject_hint=hint,
+                    log_term=self._safe_term(hint),
+                )
+            )
+
+    def _find_conflict(self, ents: tuple[Entry, ...]) -> int:
+        """Index of the first entry that is new or conflicts; 0 if all present."""
+        for e in ents:
+            if not self.log.match_term(e.index, e.term):
+                return e.index
+        return 0
+
+    def _safe_term(self, index: int) -> int:
+        try:
+            return self.log.term(index)
+        except Compacted:
+            return 0
+
+    # ======================================================================
+    # Leader
+    # ======================================================================
+    def _step_leader(self, m: Message) -> None:
+        pr = self._progress.get(m.frm)
+        if pr is None:
+            return  # not a member (removed): ignore
+        if m.type is MsgType.APP_RESP:
+            pr.recent_active = True
+            if m.reject:
+                if pr.maybe_decr_to(m.index, m.reject_hint):
+                    if pr.state is ProgressState.REPLICATE:
+                        pr.become_probe()
+                    self._send_append(m.frm)
+                return
+            was_paused = pr.is_paused()
+            if pr.maybe_update(m.index):
+                if pr.state is ProgressState.PROBE:
+                    pr.become_replicate()
+                else:
+                    pr.free_inflight_to(m.index)
+                if self._maybe_commit():
+                    self._bcast_append()
+                elif was_paused:
+                    self._send_append(m.frm)
+                while self._send_append(m.frm, send_empty=False):
+                    pass
+                if m.frm == self._transferee and pr.match == self.log.last_index():
+                    self._send(Message(MsgType.TIMEOUT_NOW, m.frm, self.id, self.term))
+        elif m.type is MsgType.HEARTBEAT_RESP:
+            pr.recent_active = True
+            pr.probe_sent = False
+            if pr.state is ProgressState.REPLICATE and pr.is_paused():
+                pr.free_first_inflight()
+            if pr.match < self.log.last_index():
+                self._send_append(m.frm)
+            if m.context > self._acked_round.get(m.frm, 0):
+                self._acked_round[m.frm] = m.context
+                self._update_lease()
+
+    def _propose(self, etype: EntryType, data: bytes) -> int:
+        if self.role is not Role.LEADER:
+            raise NotLeader(self.lead)
+        if self._transferee != NONE:
+            raise TransferInProgress(
+                f"leadership is being transferred to node {self._transferee}"
+            )
+        idx = self._append_entry(etype, data)
+        self._pending_bcast = True
+        return idx
+
+    def _append_entry(self, etype: EntryType, data: bytes) -> int:
+        idx = self.log.last_index() + 1
+        self.log.append([Entry(idx, self.term, etype, data, self.log.last_end_pos())])
+        return idx
+
+    def _flush_pending(self) -> None:
+        if self._pending_bcast and self.role is Role.LEADER:
+            self._bcast_append()
+        self._pending_bcast = False
+        if self._need_read_round and self.role is Role.LEADER:
+            self._bcast_heartbeat()
+        self._need_read_round = False
+
+    def _bcast_append(self) -> None:
+        for nid in sorted(self._progress):
+            if nid != self.id:
+                self._send_append(nid)
+
+    def _send_append(self, to: int, send_empty: bool = True) -> bool:
+        pr = self._progress[to]
+        if pr.is_paused():
+            return False
+        prev = pr.next - 1
+        try:
+            prev_term = self.log.term(prev)
+            ents = self.log.entries(pr.next, self.log.last_index() + 1, self.cfg.max_msg_bytes)
+        except Compacted:
+            # The follower needs entries we dropped; a snapshot transfer is
+            # the runtime's job (broker_adapter snapshots). Keep probing.
+            return False
+        if not ents and not send_empty:
+            return False
+        self._send(
+            Message(
+                MsgType.APP,
+                to,
+                self.id,
+                self.term,
+                log_term=prev_term,
+                index=prev,
+                entries=tuple(ents),
+                commit=self.log.committed,
+            )
+        )
+        pr.sent_entries(ents[-1].index if ents else None)
+        return True
+
+    def _bcast_heartbeat(self) -> None:
+        self._hb_round += 1
+        self._hb_sent_tick[self._hb_round] = self._tick_count
+        for nid in sorted(self._progress):
+            if nid == self.id:
+                continue
+            pr = self._progress[nid]
+            self._send(
+                Message(
+                    MsgType.HEARTBEAT,
+                    nid,
+                    self.id,
+                    self.term,
+                    commit=min(pr.match, self.log.committed),
+                    context=self._hb_round,
+                )
+            )
+        self._update_lease()  # a single-voter cluster is its own quorum
+
+    def _update_lease(self) -> None:
+        rounds = sorted(
+            (
+                self._hb_round if nid == self.id else self._acked_round.get(nid, 0)
+                for nid in self.config.voters
+            ),
+            reverse=True,
+        )
+        if not rounds or self.config.quorum() > len(rounds):
+            return
+        q_round = rounds[self.config.quorum() - 1]
+        if q_round <= 0 or q_round not in self._hb_sent_tick:
+            return
+        start = self._hb_sent_tick[q_round]
+        for r in [r for r in self._hb_sent_tick if r < q_round]:
+            del self._hb_sent_tick[r]
+        if not self._lease_disabled and self._transferee == NONE:
+            self._lease_expiry_tick = max(self._lease_expiry_tick, start + self.cfg.lease_ticks)
+        if self._pending_reads:
+            done = [p for p in self._pending_reads if p[1] <= q_round]
+            self._pending_reads = [p for p in self._pending_reads if p[1] > q_round]
+            for ctx, _, index in done:
+                self._read_states.append(ReadState(ctx, index, ReadMode.READ_INDEX))
+
+    def _serve_read(self, ctx: int) -> None:
+        if self.lease_valid():
+            self._read_states.append(ReadState(ctx, self.log.committed, ReadMode.LEASE))
+            return
+        # ReadIndex: the commit index now, confirmed by a quorum acknowledging
+        # a heartbeat round sent after this request (batched per Ready).
+        self._pending_reads.append((ctx, self._hb_round + 1, self.log.committed))
+        self._need_read_round = True
+        if len(self.config.voters) == 1 and self.config.is_voter(self.id):
+            self._flush_pending()
+
+    def _fail_pending_reads(self) -> None:
+        for ctx, _, _ in self._pending_reads:
+            self._read_failures.append(ReadFailed(ctx, self.lead))
+        for ctx in self._reads_before_commit:
+            self._read_failures.append(ReadFailed(ctx, self.lead))
+        self._pending_reads = []
+        self._reads_before_commit = []
+
+    def _committed_in_term(self) -> bool:
+        return self._safe_term(self.log.committed) == self.term
+
+    def _maybe_commit(self) -> bool:
+        matches = sorted(
+            (self._progress[nid].match for nid in self.config.voters if nid in self._progress),
+            reverse=True,
+        )
+        q = self.config.quorum()
+        if len(matches) < q:
+            return False
+        n = matches[q - 1]
+        if n <= self.log.committed:
+            return False
+        if FAULT_COMMIT_OLD_TERM not in self._faults and self._safe_term(n) != self.term:
+            # Raft section 5.4.2: only entries of the current term are committed
+            # by counting replicas (figure 8).
+            return False
+        self.log.commit_to(n)
+        if self._reads_before_commit and self._committed_in_term():
+            waiting, self._reads_before_commit = self._reads_before_commit, []
+            for ctx in waiting:
+                self._serve_read(ctx)
+        return True
+
+    def _quorum_active(self) -> bool:
+        active = sum(
+            1
+            for nid in self.config.voters
+            if nid in self._progress and (nid == self.id or self._progress[nid].recent_active)
+        )
+        return active >= self.config.quorum()
+
+    # ======================================================================
+    # Membership
+    # ======================================================================
+    def _config_at(self, applied: int) -> ClusterConfig:
+        cfg = self.cfg.peers
+        lo = self.log.first_index()
+        if applied >= lo:
+            for e in self.log.entries(lo, applied + 1):
+                if e.type is EntryType.CONF_CHANGE:
+                    cfg = cfg.apply(decode_conf_change(e.data))
+        return cfg
+
+    def _apply_conf_change(self, cc: ConfChange) -> None:
+        self.config = self.config.apply(cc)
+        if self.role is not Role.LEADER:
+            if not self._promotable() and self.role in (Role.PRE_CANDIDATE, Role.CANDIDATE):
+                self._become_follower(self.term, NONE)
+            return
+        if not self._promotable():
+            # We were removed (or demoted): step down; the rest elect a leader.
+            self._become_follower(self.term, NONE)
+            return
+        members = set(self.config.members())
+        for nid in list(self._progress):
+            if nid not in members:
+                del self._progress[nid]
+                self._acked_round.pop(nid, None)
+        for nid in sorted(members):
+            if nid not in self._progress:
+                pr = Progress(self.log.last_index() + 1, self.cfg.max_inflight_msgs, True)
+                self._progress[nid] = pr
+            self._progress[nid].is_learner = self.config.is_learner(nid)
+        if self._transferee != NONE and not self.config.is_voter(self._transferee):
+            self._transferee = NONE
+        self._maybe_commit()
+        self._bcast_append()
+
+    # ======================================================================
+    # Helpers
+    # ======================================================================
+    def _send(self, m: Message) -> None:
+        self._msgs.append(m)
+
+    def _hard_state(self) -> HardState:
+        vote = self.vote
+        if FAULT_SKIP_VOTE_PERSIST in self._faults:
+            vote = NONE
+        return HardState(self.term, vote, self.log.committed)
+
+    def _visible_role(self) -> Role:
+        if self.role is Role.FOLLOWER and not self.config.is_voter(self.id):
+            return Role.LEARNER
+        return self.role
+
+    def _soft_state(self) -> SoftState:
+        return SoftState(self._visible_role(), self.lead, self.term)

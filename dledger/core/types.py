@@ -1,0 +1,263 @@
+"""Value types shared by the Raft core, storage, transport and runtime.
+
+Everything here is an immutable value: entries, messages, hard state, the
+cluster configuration and the ``Ready`` batch the core hands to its driver.
+The byte encodings live in :mod:`dledger.core.codec`; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from dledger.errors import ConfigError
+
+NONE = 0
+"""Node id meaning "nobody" (no vote, no known leader). Real ids are >= 1."""
+
+
+class EntryType(enum.IntEnum):
+    NORMAL = 0
+    NOOP = 1  # appended by every new leader (Raft section 8)
+    CONF_CHANGE = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One Raft log entry.
+
+    ``pos`` is the CommitLog position of the entry's first byte: entry ``i``
+    occupies ``[pos, pos + len(data))``. The leader assigns it on append as the
+    end of the previous entry, so every replica agrees on it (log matching).
+    """
+
+    index: int
+    term: int
+    type: EntryType = EntryType.NORMAL
+    data: bytes = b""
+    pos: int = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+    @property
+    def end_pos(self) -> int:
+        return self.pos + len(self.data)
+
+
+@dataclass(frozen=True, slots=True)
+class HardState:
+    """What must be durable before any message that depends on it is sent."""
+
+    term: int = 0
+    vote: int = NONE
+    commit: int = 0
+
+
+class MsgType(enum.IntEnum):
+    APP = 1  # AppendEntries
+    APP_RESP = 2
+    HEARTBEAT = 3
+    HEARTBEAT_RESP = 4
+    VOTE = 5
+    VOTE_RESP = 6
+    PRE_VOTE = 7
+    PRE_VOTE_RESP = 8
+    TIMEOUT_NOW = 9  # leadership transfer: campaign at once
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A peer message. One flat shape for every kind, as etcd's raftpb does.
+
+    Field use by kind:
+      APP:            index/log_term = the entry before ``entries``; commit
+      APP_RESP:       index = last index the sender now matches (success) or
+                      the rejected ``index`` (reject); reject_hint = the
+                      sender's last index; log_term = term at reject_hint
+      HEARTBEAT:      commit (clamped to the receiver's match); context =
+                      heartbeat round number (the lease and ReadIndex clock)
+      HEARTBEAT_RESP: context echoed
+      VOTE/PRE_VOTE:  index/log_term = candidate's last entry; force = sent
+                      because of a leadership transfer (bypasses stickiness)
+      *_RESP:         reject
+    """
+
+    type: MsgType
+    to: int
+    frm: int
+    term: int
+    log_term: int = 0
+    index: int = 0
+    entries: tuple[Entry, ...] = ()
+    commit: int = 0
+    reject: bool = False
+    reject_hint: int = 0
+    context: int = 0
+    force: bool = False
+
+
+class ConfChangeType(enum.IntEnum):
+    ADD_VOTER = 1
+    ADD_LEARNER = 2
+    REMOVE_NODE = 3
+    PROMOTE_LEARNER = 4
+
+
+@dataclass(frozen=True, slots=True)
+class ConfChange:
+    type: ConfChangeType
+    node_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """Membership: who votes and who only listens. Ids are sorted tuples."""
+
+    voters: tuple[int, ...]
+    learners: tuple[int, ...] = ()
+
+    def quorum(self) -> int:
+        return len(self.voters) // 2 + 1
+
+    def is_voter(self, node_id: int) -> bool:
+        return node_id in self.voters
+
+    def is_learner(self, node_id: int) -> bool:
+        return node_id in self.learners
+
+    def members(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.voters) | set(self.learners)))
+
+    def apply(self, cc: ConfChange) -> ClusterConfig:
+        voters = set(self.voters)
+        learners = set(self.learners)
+        nid = cc.node_id
+        if cc.type is ConfChangeType.ADD_VOTER:
+            learners.discard(nid)
+            voters.add(nid)
+        elif cc.type is ConfChangeType.ADD_LEARNER:
+            if nid not in voters:
+                learners.add(nid)
+        elif cc.type is ConfChangeType.REMOVE_NODE:
+            voters.discard(nid)
+            learners.discard(nid)
+        elif cc.type is ConfChangeType.PROMOTE_LEARNER and nid in learners:
+            learners.discard(nid)
+            voters.add(nid)
+        return ClusterConfig(tuple(sorted(voters)), tuple(sorted(learners)))
+
+
+class Role(enum.IntEnum):
+    FOLLOWER = 0
+    PRE_CANDIDATE = 1
+    CANDIDATE = 2
+    LEADER = 3
+    LEARNER = 4  # a follower that is not a voter in its current config
+
+
+@dataclass(frozen=True, slots=True)
+class SoftState:
+    role: Role
+    leader: int
+    term: int
+
+
+class ReadMode(enum.IntEnum):
+    LEASE = 1  # answered locally: the leader held a valid lease
+    READ_INDEX = 2  # answered after a quorum acknowledged a heartbeat round
+
+
+@dataclass(frozen=True, slots=True)
+class ReadState:
+    """A read request the leader may now serve once ``applied >= index``."""
+
+    ctx: int
+    index: int
+    mode: ReadMode
+
+
+@dataclass(frozen=True, slots=True)
+class ReadFailed:
+    """A read request the leader can no longer serve (it stepped down)."""
+
+    ctx: int
+    leader_hint: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """One batch of work for the driver. The order is the contract:
+
+    1. ``entries`` (to append, replacing any conflicting suffix of the stored
+       log) and ``hard_state`` (when not None) are written to stable storage
+       and synced, in one transaction, BEFORE any message is sent;
+    2. then ``messages`` are sent;
+    3. then ``committed_entries`` are applied to the state machine in order
+       (they are already durable on a quorum; some may be in ``entries`` of
+       this same Ready, which step 1 made durable here too);
+    4. ``read_states`` may be answered once the state machine has applied
+       ``index``; ``read_failures`` are answered with an error at once;
+    5. then ``advance(ready)`` is called.
+    """
+
+    soft_state: SoftState | None = None
+    hard_state: HardState | None = None
+    entries: tuple[Entry, ...] = ()
+    messages: tuple[Message, ...] = ()
+    committed_entries: tuple[Entry, ...] = ()
+    read_states: tuple[ReadState, ...] = ()
+    read_failures: tuple[ReadFailed, ...] = ()
+    must_sync: bool = False
+
+    def is_empty(self) -> bool:
+        return not (
+            self.soft_state
+            or self.hard_state
+            or self.entries
+            or self.messages
+            or self.committed_entries
+            or self.read_states
+            or self.read_failures
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RaftConfig:
+    """Core configuration, in logical ticks. ``validate()`` raises ConfigError."""
+
+    node_id: int
+    peers: ClusterConfig
+    election_ticks: int = 10
+    heartbeat_ticks: int = 1
+    lease_drift_ticks: int = 2
+    max_inflight_msgs: int = 256
+    max_msg_bytes: int = 1 << 20
+    max_apply_bytes: int = 8 << 20
+    transfer_max_lag: int = 1024
+    check_quorum: bool = True
+    pre_vote: bool = True
+    faults: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def lease_ticks(self) -> int:
+        return self.election_ticks - self.lease_drift_ticks
+
+    def validate(self) -> None:
+        if self.node_id <= 0:
+            raise ConfigError("node_id must be >= 1")
+        if self.heartbeat_ticks <= 0:
+            raise ConfigError("heartbeat_ticks must be >= 1")
+        if self.election_ticks <= self.heartbeat_ticks:
+            raise ConfigError("election_ticks must be greater than heartbeat_ticks")
+        if self.lease_drift_ticks < 1 or self.lease_ticks < 1:
+            raise ConfigError("lease_drift_ticks must be in [1, election_ticks)")
+        if self.max_inflight_msgs < 1 or self.max_msg_bytes < 1:
+            raise ConfigError("max_inflight_msgs and max_msg_bytes must be >= 1")
+        if self.transfer_max_lag < 0:
+            raise ConfigError("transfer_max_lag must be >= 0")
+        if not self.peers.voters:
+            raise ConfigError("the initial configuration needs at least one voter")
+        if set(self.peers.voters) & set(self.peers.learners):
+            raise ConfigError("a node cannot be both voter and learner")

@@ -1,0 +1,63 @@
+"""The dledger error hierarchy. The HTTP layer maps these to status codes."""
+
+from __future__ import annotations
+
+
+class DLedgerError(Exception):
+    """Base class of every error the replicated log raises on purpose."""
+
+    code = "DLEDGER_ERROR"
+
+
+class ConfigError(DLedgerError):
+    code = "CONFIG_ERROR"
+
+
+class NotLeader(DLedgerError):
+    """This node cannot serve the request; ``leader_hint`` is 0 when unknown."""
+
+    code = "NOT_LEADER"
+
+    def __init__(self, leader_hint: int, message: str = "") -> None:
+        self.leader_hint = leader_hint
+        super().__init__(message or f"not the leader (leader hint: {leader_hint or 'unknown'})")
+
+
+class ProposalDropped(DLedgerError):
+    """The proposal was refused (for example during a leadership transfer)."""
+
+    code = "PROPOSAL_DROPPED"
+
+
+class TransferInProgress(ProposalDropped):
+    code = "TRANSFER_IN_PROGRESS"
+
+
+class Overloaded(DLedgerError):
+    code = "OVERLOADED"
+
+
+class Compacted(DLedgerError):
+    """The requested log index was removed by front truncation."""
+
+    code = "COMPACTED"
+
+
+class StorageCorrupted(DLedgerError):
+    """A record failed its CRC or structural check; it is never served."""
+
+    code = "STORAGE_CORRUPTED"
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        self.index = index
+        super().__init__(message)
+
+
+class CodecError(DLedgerError):
+    """Bytes that do not decode: wrong magic, version, length or CRC."""
+
+    code = "CODEC_ERROR"
+
+
+class InvariantViolation(AssertionError):
+    """A protocol invariant broke. Raised, never swallowed."""

@@ -1,0 +1,705 @@
+"""Deterministic whole-cluster simulation with an invariant checker.
+
+Theory of operation
+-------------------
+One process, one seeded ``random.Random``, one event heap ordered by
+(real time, sequence). Real time is an integer; each node ticks with its own
+period (the base period skewed by up to ``drift`` either way, to model clock
+rate drift). Events are node ticks, message deliveries, client operations,
+faults and heals. Every node is a :class:`RawNode` over a
+:class:`MemoryStorage`; the driver here follows the Ready contract exactly
+(persist + sync, send, apply, advance), so crashing a node (``storage.crash()``)
+loses exactly what a real crash would: every write since the last sync.
+
+After every event the checker verifies election safety, log matching,
+leader completeness, state-machine safety, commit monotonicity and
+durability on a quorum, read linearizability and lease exclusivity. A
+violation raises :class:`SimViolation` carrying the seed and the trace tail.
+A run's trace hash is a digest of every event it processed: two runs of one
+seed must produce the same hash (the determinism check).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import random
+import zlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dledger.core.raft import CORE_FAULTS, RawNode
+from dledger.core.types import (
+    NONE,
+    ClusterConfig,
+    ConfChange,
+    ConfChangeType,
+    EntryType,
+    Message,
+    MsgType,
+    RaftConfig,
+    Ready,
+    Role,
+)
+from dledger.errors import DLedgerError, InvariantViolation
+from dledger.storage.memory import MemoryStorage
+
+FAULT_NO_FSYNC = "no_fsync"  # sim-level: acknowledge without syncing (SCENARIOS 11)
+ALL_FAULTS = CORE_FAULTS | {FAULT_NO_FSYNC}
+
+BASE_TICK = 1000  # real-time units per tick at nominal rate
+
+
+class SimViolation(AssertionError):
+    def __init__(self, seed: int, what: str, trace_tail: list[str], argv: str) -> None:
+        self.seed = seed
+        self.what = what
+        self.trace_tail = trace_tail
+        tail = "\n".join("    " + t for t in trace_tail)
+        super().__init__(
+            f"invariant violated: {what}\nreproduce with: python -m dledger.sim {argv}\n"
+            f"trace tail:\n{tail}"
+        )
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    voters: int = 3
+    learners: int = 0
+    steps: int = 5000
+    election_ticks: int = 10
+    heartbeat_ticks: int = 1
+    lease_drift_ticks: int = 2
+    drift: float = 0.05  # max relative tick-rate error per node
+    drop_rate: float = 0.02
+    dup_rate: float = 0.02
+    max_delay: int = 600  # real-time units; random delays reorder messages
+    long_delay_rate: float = 0.01
+    long_delay_ticks: int = 30
+    crash_rate: float = 0.002  # per event
+    partition_rate: float = 0.002
+    pause_rate: float = 0.001
+    client_rate: float = 0.08
+    membership: bool = True
+    max_inflight_msgs: int = 8
+    max_msg_bytes: int = 256
+    faults: frozenset[str] = field(default_factory=frozenset)
+    quiet_ticks: int = 80  # after the faulty phase: heal, restart, then check liveness
+    check_liveness: bool = True
+
+
+class _Node:
+    __slots__ = ("applied", "commit_seen", "paused", "raft", "storage")
+
+    def __init__(self, raft: RawNode, storage: MemoryStorage) -> None:
+        self.raft = raft
+        self.storage = storage
+        self.paused = False
+        self.commit_seen = raft.log.committed
+        self.applied: list[tuple[int, int, bytes]] = []
+
+
+class Simulation:
+    def __init__(self, seed: int, cfg: SimConfig) -> None:
+        self.seed = seed
+        self.cfg = cfg
+        self.rng = random.Random(seed)
+        self.now = 0
+        self._seq = 0
+        self._events: list[tuple[int, int, str, Any]] = []
+        self._hash = hashlib.blake2b(digest_size=16)
+        self._tail: deque[str] = deque(maxlen=60)
+        voters = tuple(range(1, cfg.voters + 1))
+        learners = tuple(range(cfg.voters + 1, cfg.voters + cfg.learners + 1))
+        self.bootstrap = ClusterConfig(voters, learners)
+        self.next_id = cfg.voters + cfg.learners + 1
+        self.storages: dict[int, MemoryStorage] = {}
+        self.nodes: dict[int, _Node] = {}  # live (not crashed) nodes
+        self.period: dict[int, int] = {}
+        self.blocked: set[tuple[int, int]] = set()
+        self.held: dict[int, list[Message]] = {}  # messages for paused nodes
+        self.missed_ticks: dict[int, int] = {}
+        self.removed: set[int] = set()
+        # checker state
+        self.leader_of_term: dict[int, int] = {}
+        self.entry_record: dict[tuple[int, int], tuple[int, int]] = {}
+        self.applied_record: dict[int, tuple[int, int]] = {}
+        self.leader_commits: dict[int, int] = {}  # index -> term, as leaders committed
+        self.max_commit = 0  # highest index known committed anywhere
+        self.max_commit_entry_term = 0  # the term of that entry
+        self.max_commit_seen_term = 0  # the term in which it was first seen committed
+        self.reads: dict[int, tuple[int, int]] = {}  # ctx -> (node, min index)
+        self._ctx = 0
+        self.read_only_phase = False
+        self.stats: dict[str, int] = {
+            "proposals": 0,
+            "reads_ok": 0,
+            "reads_failed": 0,
+            "lease_reads": 0,
+            "crashes": 0,
+            "partitions": 0,
+            "pauses": 0,
+            "transfers": 0,
+            "conf_changes": 0,
+            "elections": 0,
+            "msgs": 0,
+        }
+        self.steps = 0
+        for nid in self.bootstrap.members():
+            self._spawn(nid)
+
+    # ------------------------------------------------------------------ setup
+    def argv(self) -> str:
+        c = self.cfg
+        parts = [f"--seed {self.seed}", f"--steps {c.steps}", f"--voters {c.voters}"]
+        if c.learners:
+            parts.append(f"--learners {c.learners}")
+        if c.faults:
+            parts.append("--fault " + " --fault ".join(sorted(c.faults)))
+        if not c.membership:
+            parts.append("--no-membership")
+        return " ".join(parts)
+
+    def _raft_config(self, nid: int) -> RaftConfig:
+        c = self.cfg
+        return RaftConfig(
+            node_id=nid,
+            peers=self.bootstrap,
+            election_ticks=c.election_ticks,
+            heartbeat_ticks=c.heartbeat_ticks,
+            lease_drift_ticks=c.lease_drift_ticks,
+            max_inflight_msgs=c.max_inflight_msgs,
+            max_msg_bytes=c.max_msg_bytes,
+            faults=c.faults & CORE_FAULTS,
+        )
+
+    def _spawn(self, nid: int) -> None:
+        st = self.storages.get(nid)
+        if st is None:
+            st = self.storages[nid] = MemoryStorage()
+        if nid not in self.period:
+            skew = self.rng.uniform(-self.cfg.drift, self.cfg.drift)
+            self.period[nid] = int(BASE_TICK * (1 + skew))
+        node_rng = random.Random(self.rng.getrandbits(64))
+        raft = RawNode(self._raft_config(nid), st, st, node_rng)
+        self.nodes[nid] = _Node(raft, st)
+        self._at(self.now + self.rng.randrange(1, self.period[nid]), "tick", nid)
+
+    # ------------------------------------------------------------------ events
+    def _at(self, t: int, kind: str, payload: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, kind, payload))
+
+    def _trace(self, s: str) -> None:
+        line = f"t={self.now} {s}"
+        self._tail.append(line)
+        self._hash.update(line.encode())
+
+    def trace_hash(self) -> str:
+        return self._hash.hexdigest()
+
+    def fail(self, what: str) -> None:
+        raise SimViolation(self.seed, what, list(self._tail), self.argv())
+
+    def run(self) -> Simulation:
+        faulty = True
+        quiet_until = None
+        while True:
+            if faulty and self.steps >= self.cfg.steps:
+                faulty = False
+                self._heal_all()
+                quiet_until = self.now + self.cfg.quiet_ticks * BASE_TICK
+            if not faulty and quiet_until is not None and self.now >= quiet_until:
+                break
+            if faulty:
+                self._maybe_inject()
+            t, _, kind, payload = heapq.heappop(self._events)
+            self.now = max(self.now, t)
+            self.steps += 1
+            try:
+                self._dispatch(kind, payload)
+            except (InvariantViolation, AssertionError) as e:
+                if isinstance(e, SimViolation):
+                    raise
+                self.fail(f"{type(e).__name__}: {e}")
+            self._check_global()
+        if self.cfg.check_liveness:
+            self._check_liveness()
+        return self
+
+    def _dispatch(self, kind: str, payload: Any) -> None:
+        if kind == "tick":
+            nid = payload
+            n = self.nodes.get(nid)
+            if n is None:
+                return  # crashed; restart schedules a new tick chain
+            self._at(self.now + self.period[nid], "tick", nid)
+            if n.paused:
+                self.missed_ticks[nid] = self.missed_ticks.get(nid, 0) + 1
+                return
+            self._trace(f"tick n{nid}")
+            n.raft.tick()
+            self._process(nid)
+        elif kind == "msg":
+            m: Message = payload
+            n = self.nodes.get(m.to)
+            if n is None:
+                return
+            if n.paused:
+                self.held.setdefault(m.to, []).append(m)
+                return
+            self._trace(
+                f"deliver {m.type.name} {m.frm}->{m.to} t{m.term} i{m.index} lt{m.log_term} "
+                f"c{m.commit} n{len(m.entries)} rej{int(m.reject)} ctx{m.context}"
+            )
+            n.raft.step(m)
+            self._process(m.to)
+        elif kind == "restart":
+            nid = payload
+            if nid not in self.nodes and nid not in self.removed:
+                self._trace(f"restart n{nid}")
+                self._spawn(nid)
+        elif kind == "heal":
+            self.blocked.clear()
+            self._trace("heal")
+        elif kind == "resume":
+            self._resume(payload)
+        elif kind == "client":
+            self._client_op()
+
+    # ------------------------------------------------------------------ driver
+    def _process(self, nid: int) -> None:
+        """Run the Ready loop for one node until it has nothing left."""
+        for _ in range(100):
+            n = self.nodes.get(nid)
+            if n is None or not n.raft.has_ready():
+                return
+            voters_before = n.raft.config.voters
+            rd = n.raft.ready()
+            if self._persist(nid, n, rd):
+                return  # crashed mid-write
+            for m in rd.messages:
+                self._send(m)
+            self._apply(nid, n, rd)
+            n.raft.advance(rd)
+            self._after_advance(nid, n, rd, voters_before)
+        self.fail(f"node {nid} kept producing Ready batches (100 in a row)")
+
+    def _persist(self, nid: int, n: _Node, rd: Ready) -> bool:
+        st = n.storage
+        if rd.entries:
+            self._check_log_matching(nid, n, rd)
+            st.append(rd.entries)
+        if rd.hard_state is not None:
+            st.save_hard_state(rd.hard_state)
+        if rd.entries or rd.hard_state is not None:
+            if self.rng.random() < self.cfg.crash_rate / 2:
+                # A crash in the middle of a write: appended, never synced.
+                self._crash(nid, "mid-write")
+                return True
+            if FAULT_NO_FSYNC not in self.cfg.faults:
+                st.sync()
+        return False
+
+    def _send(self, m: Message) -> None:
+        self.stats["msgs"] += 1
+        if (m.frm, m.to) in self.blocked or m.to in self.removed:
+            return
+        if self.rng.random() < self.cfg.drop_rate:
+            return
+        copies = 2 if self.rng.random() < self.cfg.dup_rate else 1
+        for _ in range(copies):
+            delay = 1 + self.rng.randrange(self.cfg.max_delay)
+            if self.rng.random() < self.cfg.long_delay_rate:
+                # A message stuck in a queue for many ticks: stale on arrival.
+                delay += self.rng.randrange(self.cfg.long_delay_ticks * BASE_TICK)
+            self._at(self.now + delay, "msg", m)
+
+    def _apply(self, nid: int, n: _Node, rd: Ready) -> None:
+        for e in rd.committed_entries:
+            crc = zlib.crc32(e.data)
+            rec = self.applied_record.get(e.index)
+            if rec is None:
+                self.applied_record[e.index] = (e.term, crc)
+            elif rec != (e.term, crc):
+                self.fail(
+                    f"state machine safety: node {nid} applied {e.index}@t{e.term} but "
+                    f"another node applied {e.index}@t{rec[0]}"
+                )
+        for rs in rd.read_states:
+            want = self.reads.pop(rs.ctx, None)
+            if want is None:
+                continue
+            _, min_index = want
+            if rs.index < min_index:
+                self.fail(
+                    f"stale linearizable read on node {nid}: read index {rs.index} < "
+                    f"{min_index} (committed before the read began), mode {rs.mode.name}"
+                )
+            self.stats["reads_ok"] += 1
+            if rs.mode.name == "LEASE":
+                self.stats["lease_reads"] += 1
+        for rf in rd.read_failures:
+            self.reads.pop(rf.ctx, None)
+            self.stats["reads_failed"] += 1
+
+    def _after_advance(self, nid: int, n: _Node, rd: Ready, voters_before: tuple[int, ...]) -> None:
+        r = n.raft
+        c = r.log.committed
+        if c < n.commit_seen:
+            self.fail(f"commit index of node {nid} went back from {n.commit_seen} to {c}")
+        if c > n.commit_seen:
+            term = r.log.term(c)
+            if r.role is Role.LEADER:
+                # The leader counted replicas, under the configuration before or
+                # after this batch's membership change: one must hold it durably.
+                if not any(
+                    self._durable_on_quorum(c, term, v) for v in (voters_before, r.config.voters)
+                ):
+                    self.fail(
+                        f"leader {nid} committed {c}@t{term} but no quorum of voters "
+                        f"{voters_before} or {r.config.voters} holds it durably"
+                    )
+                self.leader_commits[c] = term
+                self._check_commit_safe(nid, c, term, r.config.voters)
+            elif self.leader_commits.get(c, term) != term:
+                self.fail(f"node {nid} committed {c}@t{term}; a leader committed another term there")
+            n.commit_seen = c
+            if c > self.max_commit:
+                self.max_commit = c
+                self.max_commit_entry_term = term
+                self.max_commit_seen_term = r.term
+        if rd.soft_state is not None and rd.soft_state.role is Role.LEADER:
+            self.stats["elections"] += 1
+            for other in sorted(self.nodes):
+                o = self.nodes[other]
+                if other != nid and self._lease_held(other) and o.raft.transferee == NONE:
+                    self.fail(
+                        f"node {nid} was elected leader of term {r.term} while node {other} "
+                        f"(term {o.raft.term}) still holds a lease"
+                    )
+            self._trace(f"n{nid} leader t{r.term}")
+
+    def _check_commit_safe(self, nid: int, c: int, term: int, voters: tuple[int, ...]) -> None:
+        """Eager leader completeness: no voter lacking committed entry ``c`` may
+        be at least as up to date as a quorum of the voters' durable logs, or it
+        could be elected and overwrite ``c`` (Raft figure 8)."""
+        tails: dict[int, tuple[int, int]] = {}
+        for v in voters:
+            if v in self.storages:
+                tails[v] = self.storages[v].durable_last()
+        for x in voters:
+            n = self.nodes.get(x)
+            if n is not None:
+                if n.raft.log.match_term(c, term):
+                    continue
+                x_last, x_term = n.raft.log.last_index(), n.raft.log.last_term()
+            elif x in self.storages:
+                if self.storages[x].durable_term(c) == term:
+                    continue
+                x_last, x_term = self.storages[x].durable_last()
+            else:
+                continue
+            votes = 1 + sum(
+                1
+                for y, (y_last, y_term) in tails.items()
+                if y != x and (x_term > y_term or (x_term == y_term and x_last >= y_last))
+            )
+            if votes >= len(voters) // 2 + 1:
+                self.fail(
+                    f"leader {nid} committed {c}@t{term}, but node {x} lacks it and could "
+                    f"still win an election (last {x_last}@t{x_term}, {votes} possible votes)"
+                )
+
+    def _durable_on_quorum(self, index: int, term: int, voters: tuple[int, ...]) -> bool:
+        held = sum(1 for v in voters if v in self.storages and self.storages[v].durable_term(index) == term)
+        return held >= len(voters) // 2 + 1
+
+    def _check_log_matching(self, nid: int, n: _Node, rd: Ready) -> None:
+        log = n.raft.log
+        for e in rd.entries:
+            prev_term = log.term(e.index - 1) if e.index > 1 else 0
+            key = (e.index, e.term)
+            val = (zlib.crc32(e.data) ^ (e.pos << 1), prev_term)
+            old = self.entry_record.get(key)
+            if old is None:
+                self.entry_record[key] = val
+            elif old != val:
+                self.fail(
+                    f"log matching: node {nid} holds {e.index}@t{e.term} with different "
+                    "content or predecessor than another node"
+                )
+
+    def _lease_held(self, nid: int) -> bool:
+        """Lease validity in real time: a paused node's clock keeps running."""
+        n = self.nodes[nid]
+        r = n.raft
+        if not r.lease_valid():
+            return False
+        return r.lease_remaining_ticks() > self.missed_ticks.get(nid, 0)
+
+    def _check_global(self) -> None:
+        holders = []
+        for nid in sorted(self.nodes):
+            n = self.nodes[nid]
+            r = n.raft
+            if r.role is Role.LEADER:
+                other = self.leader_of_term.setdefault(r.term, nid)
+                if other != nid:
+                    self.fail(f"election safety: nodes {other} and {nid} both lead term {r.term}")
+                if (
+                    r.term > self.max_commit_seen_term
+                    and self.max_commit
+                    and not r.log.match_term(self.max_commit, self.max_commit_entry_term)
+                ):
+                    self.fail(
+                        f"leader completeness: leader {nid} of term {r.term} lacks committed "
+                        f"entry {self.max_commit}"
+                    )
+                if self._lease_held(nid):
+                    holders.append(nid)
+        if len(holders) > 1:
+            terms = {h: self.nodes[h].raft.term for h in holders}
+            self.fail(f"lease overlap: nodes {terms} hold a lease at the same time")
+
+    # ------------------------------------------------------------------ clients
+    def _leader(self) -> int:
+        best = NONE
+        best_term = -1
+        for nid in sorted(self.nodes):
+            r = self.nodes[nid].raft
+            if r.role is Role.LEADER and r.term > best_term and not self.nodes[nid].paused:
+                best, best_term = nid, r.term
+        return best
+
+    def _pick_target(self) -> int:
+        live = sorted(self.nodes)
+        lead = self._leader()
+        if lead and self.rng.random() < 0.7:
+            return lead
+        return self.rng.choice(live)
+
+    def _client_op(self) -> None:
+        if not self.nodes:
+            return
+        nid = self._pick_target()
+        n = self.nodes[nid]
+        if n.paused:
+            return
+        r = n.raft
+        roll = self.rng.random()
+        if self.rng.random() < 0.02:
+            # Load comes in phases: stretches with no writes leave every log
+            # equal, which is when an isolated follower could win an election.
+            self.read_only_phase = not self.read_only_phase
+        if self.read_only_phase and roll < 0.6:
+            roll = 0.6 + roll * 0.5
+        try:
+            if roll < 0.6:
+                data = self.rng.getrandbits(64).to_bytes(8, "big") * self.rng.randrange(1, 8)
+                idx = r.propose(data)
+                self.stats["proposals"] += 1
+                self._trace(f"client propose n{nid} -> {idx}")
+            elif roll < 0.9:
+                self._ctx += 1
+                # Everything committed anywhere before the read began must be visible.
+                floor = max([self.max_commit] + [x.raft.log.committed for x in self.nodes.values()])
+                self.reads[self._ctx] = (nid, floor)
+                r.read_index(self._ctx)
+                self._trace(f"client read n{nid} ctx{self._ctx} floor {floor}")
+            elif roll < 0.95:
+                voters = [v for v in r.config.voters if v != nid]
+                if voters:
+                    to = self.rng.choice(voters)
+                    r.transfer_leadership(to)
+                    self.stats["transfers"] += 1
+                    self._trace(f"client transfer n{nid} -> n{to}")
+            elif self.cfg.membership:
+                self._conf_change(nid, r)
+        except DLedgerError:
+            pass
+        self._process(nid)
+
+    def _conf_change(self, nid: int, r: RawNode) -> None:
+        cfg = r.config
+        choice = self.rng.random()
+        cc: ConfChange | None = None
+        if choice < 0.35 and len(cfg.members()) < 7:
+            new = self.next_id
+            self.next_id += 1
+            cc = ConfChange(ConfChangeType.ADD_LEARNER, new)
+            r.propose_conf_change(cc)
+            self._spawn(new)
+        elif choice < 0.7 and cfg.learners and len(cfg.voters) < 5:
+            cc = ConfChange(ConfChangeType.PROMOTE_LEARNER, self.rng.choice(cfg.learners))
+            r.propose_conf_change(cc)
+        elif len(cfg.voters) > 3 or cfg.learners:
+            pool = [m for m in cfg.members() if m != nid]
+            if len(cfg.voters) <= 3:
+                pool = list(cfg.learners)
+            if pool:
+                cc = ConfChange(ConfChangeType.REMOVE_NODE, self.rng.choice(pool))
+                r.propose_conf_change(cc)
+        if cc is not None:
+            self.stats["conf_changes"] += 1
+            self._trace(f"client conf {cc.type.name} {cc.node_id} via n{nid}")
+
+    # ------------------------------------------------------------------ faults
+    def _maybe_inject(self) -> None:
+        rng = self.rng
+        c = self.cfg
+        x = rng.random()
+        if x < c.client_rate:
+            self._at(self.now + rng.randrange(1, 400), "client", None)
+            return
+        x -= c.client_rate
+        if x < c.crash_rate:
+            live = sorted(self.nodes)
+            if live:
+                target = self._leader() if rng.random() < 0.4 and self._leader() else rng.choice(live)
+                self._crash(target, "crash")
+            return
+        x -= c.crash_rate
+        if x < c.partition_rate:
+            self._partition()
+            return
+        x -= c.partition_rate
+        if x < c.pause_rate:
+            live = [n for n in sorted(self.nodes) if not self.nodes[n].paused]
+            if live:
+                target = self._leader() if rng.random() < 0.5 and self._leader() else rng.choice(live)
+                self.nodes[target].paused = True
+                self.stats["pauses"] += 1
+                self._trace(f"pause n{target}")
+                self._at(self.now + rng.randrange(BASE_TICK, 25 * BASE_TICK), "resume", target)
+
+    def _crash(self, nid: int, why: str) -> None:
+        n = self.nodes.pop(nid, None)
+        if n is None:
+            return
+        n.storage.crash()
+        self.held.pop(nid, None)
+        self.missed_ticks.pop(nid, None)
+        self.stats["crashes"] += 1
+        self._trace(f"{why} n{nid}")
+        self._at(self.now + self.rng.randrange(BASE_TICK, 30 * BASE_TICK), "restart", nid)
+
+    def _resume(self, nid: int) -> None:
+        n = self.nodes.get(nid)
+        if n is None or not n.paused:
+            return
+        n.paused = False
+        self._trace(f"resume n{nid} ({self.missed_ticks.get(nid, 0)} missed ticks)")
+        # The runtime ticks by the monotonic clock: missed ticks fire first.
+        for _ in range(self.missed_ticks.pop(nid, 0)):
+            n.raft.tick()
+        self._process(nid)
+        for m in self.held.pop(nid, []):
+            if nid in self.nodes:
+                self.nodes[nid].raft.step(m)
+                self._process(nid)
+
+    def _partition(self) -> None:
+        rng = self.rng
+        ids = sorted(self.nodes) or sorted(self.storages)
+        everyone = sorted(set(self.storages) - self.removed)
+        if len(everyone) < 2:
+            return
+        shape = rng.choice(["isolate", "leader", "halves", "bridge", "ring", "oneway"])
+        groups: list[set[int]] = []
+        if shape in ("isolate", "leader", "oneway"):
+            target = self._leader() if shape == "leader" and self._leader() else rng.choice(ids)
+            if shape == "oneway":
+                other = rng.choice([x for x in everyone if x != target])
+                self.blocked.add((target, other))
+            else:
+                groups = [{target}, set(everyone) - {target}]
+        elif shape == "halves":
+            shuffled = list(everyone)
+            rng.shuffle(shuffled)
+            k = len(shuffled) // 2
+            groups = [set(shuffled[:k]), set(shuffled[k:])]
+        elif shape == "bridge":
+            shuffled = list(everyone)
+            rng.shuffle(shuffled)
+            mid = shuffled[0]
+            rest = shuffled[1:]
+            k = len(rest) // 2
+            a, b = set(rest[:k]), set(rest[k:])
+            for x in a:
+                for y in b:
+                    self.blocked.add((x, y))
+                    self.blocked.add((y, x))
+            _ = mid
+        elif shape == "ring":
+            ring = list(everyone)
+            rng.shuffle(ring)
+            k = len(ring)
+            for i, x in enumerate(ring):
+                for j, y in enumerate(ring):
+                    d = min((i - j) % k, (j - i) % k)
+                    if x != y and d > 1:
+                        self.blocked.add((x, y))
+        for g in groups:
+            for x in g:
+                for y in everyone:
+                    if y not in g:
+                        self.blocked.add((x, y))
+                        self.blocked.add((y, x))
+        self.stats["partitions"] += 1
+        self._trace(f"partition {shape} blocked={sorted(self.blocked)}")
+        self._at(self.now + rng.randrange(5 * BASE_TICK, 60 * BASE_TICK), "heal", None)
+
+    def _heal_all(self) -> None:
+        self.blocked.clear()
+        for nid in sorted(self.nodes):
+            if self.nodes[nid].paused:
+                self._resume(nid)
+        for nid in sorted(self.storages):
+            if nid not in self.nodes and nid not in self.removed:
+                self._spawn(nid)
+        self._trace("quiet phase: healed, resumed, restarted")
+
+    # ------------------------------------------------------------------ liveness
+    def _check_liveness(self) -> None:
+        """After healing: a leader exists and every live member applies all of
+        its log within a bounded time (replication never stays stuck)."""
+        deadline = self.now + 60 * BASE_TICK
+        while self.now < deadline:
+            t, _, kind, payload = heapq.heappop(self._events)
+            self.now = max(self.now, t)
+            if kind in ("tick", "msg", "restart"):
+                self._dispatch(kind, payload)
+            self._check_global()
+            lead = self._leader()
+            if not lead:
+                continue
+            lr = self.nodes[lead].raft
+            if lr.log.committed == lr.log.last_index() and all(
+                self.nodes[m].raft.log.applied == lr.log.committed
+                for m in lr.config.members()
+                if m in self.nodes
+            ):
+                return
+        state = {
+            m: (self.nodes[m].raft.role.name, self.nodes[m].raft.term, self.nodes[m].raft.log.applied)
+            for m in sorted(self.nodes)
+        }
+        self.fail(f"liveness: no leader or replicas did not converge after healing: {state}")
+
+
+def run_seed(seed: int, cfg: SimConfig) -> Simulation:
+    return Simulation(seed, cfg).run()
+
+
+def mixed_config(seed: int, steps: int, faults: frozenset[str] = frozenset()) -> SimConfig:
+    """The standard mix: 3 or 5 voters, sometimes learners, every fault kind."""
+    r = random.Random(seed ^ 0x5EED)
+    voters = r.choice([3, 3, 5])
+    learners = r.choice([0, 0, 1, 2])
+    return SimConfig(voters=voters, learners=learners, steps=steps, faults=faults)
+
+
+Progress = Callable[[str], None]

@@ -1,0 +1,798 @@
+"""Durable Raft log and hard state on LMDB, with group commit.
+
+Theory of operation
+-------------------
+One LMDB environment (a directory holding ``data.mdb`` and ``lock.mdb``)
+with three named sub-databases:
+
+``log``
+    key = 8-byte big-endian index (so LMDB's byte order is index order and
+    appends can use ``MDB_APPEND``), value = the :func:`dledger.core.codec.encode_entry`
+    record, which carries its own CRC32. LMDB does not checksum pages, so
+    this CRC is what turns a flipped bit into :class:`StorageCorrupted`
+    instead of wrong data.
+``meta``
+    ``format`` (a version tag), ``hard_state`` (term, vote, commit) and
+    ``front`` (the compaction marker: offset index, offset term, offset end
+    position). Each is a big-endian struct followed by a CRC32 that also
+    covers the key, so a value can neither rot nor be swapped unnoticed.
+``epochs``
+    The Epoch-StartOffset map (what Kafka calls the leader-epoch cache):
+    key = 8-byte big-endian term, value = CommitLog position (``Entry.pos``)
+    of the first entry of that term, then the index of that entry, then a
+    CRC32. The index is not needed by :meth:`LmdbStorage.epoch_map` but it
+    lets :meth:`LmdbStorage.term` answer any index with a bisect over the
+    epochs instead of an LMDB read, and makes truncation exact even when
+    zero-length entries (NOOPs) share a position.
+
+Epochs are a pure function of the log: one epoch per run of equal terms,
+plus, once anything has been compacted, a *marker* epoch for the term of the
+last compacted entry (index ``first_index() - 1``) starting at
+``front_pos()``. ``truncate_from`` drops the epochs that start at or after
+the cut; ``compact`` drops the epochs entirely below the new front and
+clamps the one straddling it to the front (Kafka's ``truncateFromStart``).
+
+Group commit and read-your-writes
+---------------------------------
+``append``, ``truncate_from``, ``compact`` and ``save_hard_state`` only
+change an in-memory view: buffered entries form a contiguous suffix
+``[limit, last]`` and durable records are live for ``(offset, limit)``.
+Every read goes through that view, so callers see their own writes before
+``sync()``. ``sync()`` applies the whole batch in ONE write transaction
+(deletions at the back, deletions at the front, appends, meta, epochs), so
+the on-disk image only ever moves between states that were synced as a
+whole. If the map is full, the transaction is aborted, the map doubled and
+the batch replayed: the batch is only discarded after a successful commit.
+
+``close()`` deliberately does NOT commit buffered writes: anything not
+``sync()``-ed is lost, exactly as if the process had crashed. That keeps the
+crash model of :class:`dledger.storage.memory.MemoryStorage` and lets tests
+simulate a crash by closing.
+
+Flush modes
+-----------
+``flush="sync"`` (default)
+    The environment is opened with ``sync=True, metasync=True``: every
+    ``sync()`` commit fsyncs data and meta pages before it returns. An
+    acknowledged write survives power loss.
+``flush="async"``
+    The environment is opened with ``sync=False``: ``sync()`` commits the
+    transaction into the page cache and returns without fsync, and
+    :meth:`LmdbStorage.maybe_flush` fsyncs at most once per
+    ``flush_interval_s`` (``close()`` and :meth:`LmdbStorage.flush` fsync
+    too). Committed transactions survive a process crash (the kernel still
+    has the pages) but NOT power loss: if a majority of replicas lose power
+    within one flush interval, writes that were acknowledged to clients are
+    lost. This is the trade DLedger/RocketMQ make with ASYNC_FLUSH (an ack
+    once the page cache has it); use it only when that is acceptable.
+
+Recovery
+--------
+Opening verifies the tail of the log (the last ``verify_tail`` entries, or
+all of them with ``verify="full"``): CRC, key index == record index,
+consecutive indexes, non-decreasing terms, ``pos(i) == end_pos(i - 1)``
+(the front links to the compaction marker) and agreement with the epoch
+map. A failure raises :class:`StorageCorrupted` naming the index and the
+data directory: the replica must be rebuilt, not restarted. Records outside
+the verified tail are still checked whenever they are read, and
+:meth:`LmdbStorage.verify_all` scans everything on demand.
+
+``term()`` is answered from the (CRC-checked) epoch index and never reads
+an entry record, so a corrupt payload cannot make it return a wrong term;
+the corrupt record itself is reported by ``entries()``.
+
+Because recovery insists on those invariants, ``append`` refuses (with
+``ValueError``) batches that break them -- non-consecutive indexes, a term
+going backwards, a ``pos`` that does not continue the previous entry -- and
+``compact`` refuses a ``term``/``pos`` that does not describe entry
+``upto - 1``. Accepting them would only turn into a false corruption report
+at the next restart.
+
+Not thread-safe: one owner (the node's storage loop) drives an instance.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import struct
+import zlib
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Literal, TypeAlias
+
+import lmdb
+
+from dledger.core.codec import decode_entry, encode_entry
+from dledger.core.types import Entry, HardState
+from dledger.errors import (
+    CodecError,
+    Compacted,
+    ConfigError,
+    InvariantViolation,
+    StorageCorrupted,
+)
+
+FlushMode = Literal["sync", "async"]
+VerifyMode = Literal["tail", "full"]
+# Something run inside one write transaction; see LmdbStorage._write.
+_TxnFn: TypeAlias = "Callable[[lmdb.Transaction[bytes]], object]"
+
+DEFAULT_MAP_SIZE = 256 << 20
+DEFAULT_VERIFY_TAIL = 1024
+DEFAULT_FLUSH_INTERVAL_S = 0.2
+
+FORMAT_TAG = b"dledger-lmdb/1"
+
+_KEY = struct.Struct(">Q")
+_TRIPLE = struct.Struct(">QQQ")  # hard state and front marker bodies
+_EPOCH = struct.Struct(">QQ")  # start pos, start index
+_CRC = struct.Struct(">I")
+
+_META_FORMAT = b"format"
+_META_HARD_STATE = b"hard_state"
+_META_FRONT = b"front"
+
+# LMDB errors that mean "the file itself is damaged", as opposed to usage
+# errors or resource limits.
+_LMDB_DAMAGE: tuple[type[lmdb.Error], ...] = (
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.InvalidError,
+    lmdb.VersionMismatchError,
+    lmdb.PanicError,
+)
+
+
+def _seal(key: bytes, body: bytes) -> bytes:
+    """Append a CRC32 over key + body (the key is included so a value that
+    ends up under the wrong key is caught too)."""
+    return body + _CRC.pack(zlib.crc32(body, zlib.crc32(key)))
+
+
+def _unseal(key: bytes, value: bytes | memoryview, body_size: int) -> bytes | None:
+    """The body of a sealed value, or None if its length or CRC is wrong."""
+    raw = bytes(value)
+    if len(raw) != body_size + _CRC.size:
+        return None
+    body = raw[:body_size]
+    (crc,) = _CRC.unpack_from(raw, body_size)
+    if zlib.crc32(body, zlib.crc32(key)) != crc:
+        return None
+    return body
+
+
+class LmdbStorage:
+    """Implements both :class:`~dledger.storage.base.LogStorage` and
+    :class:`~dledger.storage.base.StableStore` on one LMDB environment."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        map_size: int = DEFAULT_MAP_SIZE,
+        flush: FlushMode = "sync",
+        flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
+        verify: VerifyMode = "tail",
+        verify_tail: int = DEFAULT_VERIFY_TAIL,
+        max_readers: int = 126,
+    ) -> None:
+        if flush not in ("sync", "async"):
+            raise ConfigError(f"flush must be 'sync' or 'async', not {flush!r}")
+        if verify not in ("tail", "full"):
+            raise ConfigError(f"verify must be 'tail' or 'full', not {verify!r}")
+        if verify_tail < 1:
+            raise ConfigError("verify_tail must be >= 1 (the last entry is always checked)")
+        if map_size < 1 << 16:
+            raise ConfigError("map_size must be at least 64 KiB")
+        if flush_interval_s < 0:
+            raise ConfigError("flush_interval_s must be >= 0")
+        if max_readers < 1:
+            raise ConfigError("max_readers must be >= 1")
+
+        self.path = os.fspath(path)
+        self.flush_mode: FlushMode = flush
+        self.flush_interval_s = flush_interval_s
+        # Counters for tests and metrics.
+        self.write_txns = 0  # committed sync() batches
+        self.flushes = 0  # explicit fsyncs in async mode
+        self.map_growths = 0
+
+        os.makedirs(self.path, exist_ok=True)
+        durable = flush == "sync"
+        try:
+            self._env = lmdb.open(
+                self.path,
+                map_size=map_size,
+                subdir=True,
+                lock=True,
+                readahead=False,  # random reads of recent entries; don't pollute the cache
+                max_dbs=8,
+                max_readers=max_readers,
+                sync=durable,
+                metasync=durable,
+            )
+        except _LMDB_DAMAGE as exc:
+            raise StorageCorrupted(
+                f"cannot open the LMDB environment in {self.path}: {exc}; "
+                "the data directory is damaged or not a dledger log"
+            ) from exc
+        self._closed = False
+        try:
+            self._log_db = self._env.open_db(b"log")
+            self._meta_db = self._env.open_db(b"meta")
+            self._epoch_db = self._env.open_db(b"epochs")
+            self._recover(full=verify == "full", tail=verify_tail)
+        except BaseException:
+            # Never leak the environment (and its lock) on a failed open.
+            self._env.close()
+            self._closed = True
+            raise
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        map_size: int = DEFAULT_MAP_SIZE,
+        flush: FlushMode = "sync",
+        flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
+        verify: VerifyMode = "tail",
+        verify_tail: int = DEFAULT_VERIFY_TAIL,
+        max_readers: int = 126,
+    ) -> LmdbStorage:
+        """Open (creating if needed) the log in directory ``path``."""
+        return cls(
+            path,
+            map_size=map_size,
+            flush=flush,
+            flush_interval_s=flush_interval_s,
+            verify=verify,
+            verify_tail=verify_tail,
+            max_readers=max_readers,
+        )
+
+    # -- recovery ----------------------------------------------------------
+    def _recover(self, *, full: bool, tail: int) -> None:
+        self._check_format()
+        with self._env.begin(buffers=True) as txn:
+            hs = self._read_hard_state(txn)
+            compacted, offset, offset_term, offset_pos = self._read_front(txn)
+            terms, idxs, poss = self._read_epochs(txn)
+            last, last_term, last_end = self._verify_log(
+                txn,
+                compacted=compacted,
+                offset=offset,
+                offset_term=offset_term,
+                offset_pos=offset_pos,
+                epochs=(terms, idxs, poss),
+                tail=None if full else tail,
+            )
+
+        # The logical view (what every read sees, buffered writes included).
+        self._hs = hs
+        self._compacted = compacted  # a marker epoch exists for term(offset)
+        self._offset, self._offset_term, self._offset_pos = offset, offset_term, offset_pos
+        self._last, self._last_term, self._last_end = last, last_term, last_end
+        # Epochs as parallel sorted lists so term(i) is a bisect on _ep_idx.
+        self._ep_terms, self._ep_idx, self._ep_pos = terms, idxs, poss
+
+        # The buffered batch: durable records are live for (offset, limit),
+        # _pending holds entries limit..last.
+        self._limit = last + 1
+        self._pending: list[Entry] = []
+        self._hs_dirty = False
+        self._front_dirty = False
+        self._dirty_terms: set[int] = set()
+
+        # What the durable image holds, to know what sync() must delete.
+        self._durable_last = last
+
+        # Async flushing.
+        self._unflushed = False
+        self._last_flush_s: float | None = None
+
+    def _check_format(self) -> None:
+        with self._env.begin() as txn:
+            tag = txn.get(_META_FORMAT, db=self._meta_db)
+            fresh = tag is None and txn.stat(self._log_db)["entries"] == 0
+        if tag is None and not fresh:
+            raise self._corrupt(None, "the format tag is missing from a non-empty log")
+        if tag is not None and tag != FORMAT_TAG:
+            raise StorageCorrupted(
+                f"the data directory {self.path} holds format {tag!r}, this build reads "
+                f"{FORMAT_TAG!r}"
+            )
+        if fresh:
+            self._write(lambda txn: txn.put(_META_FORMAT, FORMAT_TAG, db=self._meta_db))
+
+    def _read_hard_state(self, txn: lmdb.Transaction[memoryview]) -> HardState:
+        raw = txn.get(_META_HARD_STATE, db=self._meta_db)
+        if raw is None:
+            return HardState()
+        body = _unseal(_META_HARD_STATE, raw, _TRIPLE.size)
+        if body is None:
+            raise self._corrupt(None, "the hard state record failed its CRC check")
+        term, vote, commit = _TRIPLE.unpack(body)
+        return HardState(term=term, vote=vote, commit=commit)
+
+    def _read_front(self, txn: lmdb.Transaction[memoryview]) -> tuple[bool, int, int, int]:
+        raw = txn.get(_META_FRONT, db=self._meta_db)
+        if raw is None:
+            return False, 0, 0, 0
+        body = _unseal(_META_FRONT, raw, _TRIPLE.size)
+        if body is None:
+            raise self._corrupt(None, "the compaction marker failed its CRC check")
+        offset, term, pos = _TRIPLE.unpack(body)
+        return True, offset, term, pos
+
+    def _read_epochs(
+        self, txn: lmdb.Transaction[memoryview]
+    ) -> tuple[list[int], list[int], list[int]]:
+        terms: list[int] = []
+        idxs: list[int] = []
+        poss: list[int] = []
+        for key, value in txn.cursor(db=self._epoch_db).iternext():
+            kb = bytes(key)
+            body = _unseal(kb, value, _EPOCH.size) if len(kb) == _KEY.size else None
+            if body is None:
+                raise self._corrupt(None, f"the epoch record {kb.hex()} failed its CRC check")
+            (term,) = _KEY.unpack(kb)
+            pos, idx = _EPOCH.unpack(body)
+            # Keys iterate in term order; starts must follow it strictly.
+            if idxs and (idx <= idxs[-1] or pos < poss[-1]):
+                raise self._corrupt(idx, f"epoch {term} starts before the previous epoch")
+            terms.append(term)
+            idxs.append(idx)
+            poss.append(pos)
+        return terms, idxs, poss
+
+    def _verify_log(
+        self,
+        txn: lmdb.Transaction[memoryview],
+        *,
+        compacted: bool,
+        offset: int,
+        offset_term: int,
+        offset_pos: int,
+        epochs: tuple[list[int], list[int], list[int]],
+        tail: int | None,
+    ) -> tuple[int, int, int]:
+        """Check the durable log (its last ``tail`` entries, or all when None)
+        against itself, the compaction marker and the epoch map. Returns the
+        last index, its term and its end position."""
+        terms, idxs, poss = epochs
+        cur = txn.cursor(db=self._log_db)
+        if not cur.first():
+            if offset == 0 and not compacted:
+                if terms:
+                    raise self._corrupt(None, "the log is empty but the epoch map is not")
+                return 0, 0, 0
+            if terms != [offset_term] or idxs != [offset] or poss != [offset_pos]:
+                raise self._corrupt(offset, "the epoch map does not match the compaction marker")
+            return offset, offset_term, offset_pos
+        first = _KEY.unpack(cur.key())[0]
+        cur.last()
+        last = _KEY.unpack(cur.key())[0]
+        if first != offset + 1:
+            raise self._corrupt(
+                min(first, offset + 1),
+                f"the log starts at index {first} but the compaction marker says {offset + 1}",
+            )
+        if not terms or idxs[0] != (offset if compacted else 1) or idxs[-1] > last:
+            raise self._corrupt(first, "the epoch map does not cover the log")
+        if compacted and (terms[0] != offset_term or poss[0] != offset_pos):
+            raise self._corrupt(offset, "the epoch map does not match the compaction marker")
+
+        start = first if tail is None else max(first, last - tail + 1)
+        if start == first:
+            prev_term, prev_end = offset_term, offset_pos
+        else:
+            before = self._decode_at(cur, start - 1)
+            prev_term, prev_end = before.term, before.end_pos
+        seen_terms: list[int] = [offset_term] if compacted else []
+        expect = start
+        if not cur.set_key(_KEY.pack(start)):
+            raise self._corrupt(start, "the record is missing")
+        for key, value in cur.iternext():
+            index = _KEY.unpack(key)[0]
+            if index != expect:
+                raise self._corrupt(expect, "the record is missing (the log has a gap)")
+            e = self._decode(value, index)
+            if e.term < prev_term:
+                raise self._corrupt(index, f"term {e.term} goes back from {prev_term}")
+            if e.pos != prev_end:
+                raise self._corrupt(
+                    index, f"position {e.pos} does not continue the previous end {prev_end}"
+                )
+            k = bisect.bisect_right(idxs, index) - 1
+            if k < 0 or terms[k] != e.term or (idxs[k] == index and poss[k] != e.pos):
+                raise self._corrupt(index, "the entry disagrees with the epoch map")
+            if not seen_terms or seen_terms[-1] != e.term:
+                seen_terms.append(e.term)
+            prev_term, prev_end = e.term, e.end_pos
+            expect += 1
+        if expect != last + 1:
+            raise self._corrupt(expect, "the record is missing")
+        if tail is None and seen_terms != terms:
+            # A full scan can rebuild the epoch map; it must match exactly.
+            raise self._corrupt(
+                None, f"the epoch map lists terms {terms}, the log has {seen_terms}"
+            )
+        if terms[-1] != prev_term:
+            raise self._corrupt(last, "the epoch map's last term is not the last entry's term")
+        return last, prev_term, prev_end
+
+    def verify_all(self) -> int:
+        """Scan the whole durable log (not buffered writes: ``sync()`` first)
+        with the recovery checks. Returns the number of entries checked;
+        raises :class:`StorageCorrupted` on the first bad record."""
+        with self._env.begin(buffers=True) as txn:
+            compacted, offset, offset_term, offset_pos = self._read_front(txn)
+            epochs = self._read_epochs(txn)
+            last, _, _ = self._verify_log(
+                txn,
+                compacted=compacted,
+                offset=offset,
+                offset_term=offset_term,
+                offset_pos=offset_pos,
+                epochs=epochs,
+                tail=None,
+            )
+        return last - offset
+
+    # -- decoding helpers --------------------------------------------------
+    def _corrupt(self, index: int | None, what: str) -> StorageCorrupted:
+        where = f"log index {index}" if index is not None else "metadata"
+        return StorageCorrupted(
+            f"storage corrupted at {where} in data directory {self.path}: {what}. "
+            "Do not restart this replica on this directory; rebuild it from a healthy peer.",
+            index,
+        )
+
+    def _decode(self, value: bytes | memoryview, index: int) -> Entry:
+        try:
+            e = decode_entry(value)
+        except CodecError as exc:
+            raise self._corrupt(index, str(exc)) from None
+        if e.index != index:
+            raise self._corrupt(index, f"the record stored under this key holds index {e.index}")
+        return e
+
+    def _decode_at(self, cur: lmdb.Cursor[memoryview], index: int) -> Entry:
+        value = cur.get(_KEY.pack(index))
+        if value is None:
+            raise self._corrupt(index, "the record is missing")
+        return self._decode(value, index)
+
+    # -- LogStorage --------------------------------------------------------
+    def first_index(self) -> int:
+        return self._offset + 1
+
+    def last_index(self) -> int:
+        return self._last
+
+    def front_pos(self) -> int:
+        """End position of the last compacted entry (0 at the start)."""
+        return self._offset_pos
+
+    def term(self, index: int) -> int:
+        if index == self._offset:
+            return self._offset_term
+        if index < self._offset:
+            raise Compacted(f"index {index} is compacted (first index {self._offset + 1})")
+        if index > self._last:
+            raise IndexError(f"index {index} is beyond the last index {self._last}")
+        if index == self._last:
+            return self._last_term
+        # Terms only grow along the log, so the epoch starting at or before
+        # index is the one containing it.
+        return self._ep_terms[bisect.bisect_right(self._ep_idx, index) - 1]
+
+    def epoch_map(self) -> dict[int, int]:
+        """term -> CommitLog position where that term starts (buffered writes
+        included). The term of the last compacted entry maps to front_pos()."""
+        return dict(zip(self._ep_terms, self._ep_pos, strict=True))
+
+    def entries(self, lo: int, hi: int, max_bytes: int | None = None) -> list[Entry]:
+        if lo <= self._offset:
+            raise Compacted(f"index {lo} is compacted (first index {self._offset + 1})")
+        hi = min(hi, self._last + 1)
+        if lo >= hi:
+            return []
+        out: list[Entry] = []
+        total = 0
+        durable_hi = min(hi, self._limit)
+        if lo < durable_hi:
+            total = self._read_durable(lo, durable_hi, max_bytes, out)
+            if len(out) < durable_hi - lo:
+                return out  # the byte budget ran out inside the durable part
+        for e in self._pending[max(lo, self._limit) - self._limit : hi - self._limit]:
+            total += len(e.data)
+            if max_bytes is not None and total > max_bytes and out:
+                break
+            out.append(e)
+        return out
+
+    def _read_durable(self, lo: int, hi: int, max_bytes: int | None, out: list[Entry]) -> int:
+        """Append durable entries lo..hi-1 to out, stopping early once
+        max_bytes is exceeded (after at least one). Returns the bytes taken."""
+        total = 0
+        try:
+            with self._env.begin(db=self._log_db, buffers=True) as txn:
+                cur = txn.cursor()
+                if not cur.set_key(_KEY.pack(lo)):
+                    raise self._corrupt(lo, "the record is missing")
+                expect = lo
+                for key, value in cur.iternext():
+                    index = _KEY.unpack(key)[0]
+                    if index != expect:
+                        raise self._corrupt(expect, "the record is missing (the log has a gap)")
+                    e = self._decode(value, index)
+                    total += len(e.data)
+                    if max_bytes is not None and total > max_bytes and out:
+                        return total - len(e.data)
+                    out.append(e)
+                    expect += 1
+                    if expect == hi:
+                        return total
+                raise self._corrupt(expect, "the record is missing")
+        except _LMDB_DAMAGE as exc:
+            raise self._corrupt(lo, f"LMDB reported damage while reading: {exc}") from exc
+
+    def _entry(self, index: int) -> Entry:
+        """Entry ``index`` (offset < index <= last) from the logical view."""
+        if index >= self._limit:
+            return self._pending[index - self._limit]
+        out: list[Entry] = []
+        self._read_durable(index, index + 1, None, out)
+        return out[0]
+
+    def _tail_of(self, index: int) -> tuple[int, int]:
+        """(term, end position) of entry ``index`` (offset <= index <= last)."""
+        if index == self._offset:
+            return self._offset_term, self._offset_pos
+        if index == self._last:
+            return self._last_term, self._last_end
+        e = self._entry(index)
+        return e.term, e.end_pos
+
+    def append(self, entries: Sequence[Entry]) -> None:
+        if not entries:
+            return
+        first = entries[0].index
+        if first <= self._offset:
+            raise Compacted(f"append at {first} below the first index {self._offset + 1}")
+        if first > self._last + 1:
+            raise ValueError(f"append at {first} leaves a gap after {self._last}")
+        # Validate the whole batch before touching anything, so a refused
+        # batch leaves the view unchanged.
+        prev_term, prev_end = self._tail_of(first - 1)
+        for k, e in enumerate(entries):
+            if e.index != first + k:
+                raise ValueError(f"entry {e.index} does not follow {first + k - 1} in the batch")
+            if e.term < prev_term:
+                raise ValueError(f"entry {e.index} has term {e.term} < previous term {prev_term}")
+            if e.pos != prev_end:
+                raise ValueError(
+                    f"entry {e.index} starts at position {e.pos}, the log ends at {prev_end}"
+                )
+            prev_term, prev_end = e.term, e.end_pos
+
+        if first <= self._last:
+            self._cut(first)
+        for e in entries:
+            if not self._ep_terms or self._ep_terms[-1] != e.term:
+                self._ep_terms.append(e.term)
+                self._ep_idx.append(e.index)
+                self._ep_pos.append(e.pos)
+                self._dirty_terms.add(e.term)
+        self._pending.extend(entries)
+        last = entries[-1]
+        self._last, self._last_term, self._last_end = last.index, last.term, last.end_pos
+
+    def truncate_from(self, index: int) -> None:
+        if index <= self._offset:
+            raise Compacted(f"truncate at {index} below the first index {self._offset + 1}")
+        if index <= self._last:
+            self._cut(index)
+
+    def _cut(self, index: int) -> None:
+        """Drop entries >= index (offset < index <= last) from the view."""
+        term, end = self._tail_of(index - 1)
+        if index >= self._limit:
+            del self._pending[index - self._limit :]
+        else:
+            # Durable records from index on are dead; sync() deletes them.
+            self._pending.clear()
+            self._limit = index
+        while self._ep_idx and self._ep_idx[-1] >= index:
+            self._dirty_terms.add(self._ep_terms.pop())
+            self._ep_idx.pop()
+            self._ep_pos.pop()
+        self._last, self._last_term, self._last_end = index - 1, term, end
+
+    def compact(self, upto: int, term: int, pos: int) -> None:
+        if upto <= self._offset + 1:
+            return
+        new_offset = min(upto - 1, self._last)
+        if upto - 1 <= self._last:
+            have_term, have_end = self._tail_of(upto - 1)
+            if (have_term, have_end) != (term, pos):
+                raise ValueError(
+                    f"compact({upto}): entry {upto - 1} has term {have_term} and ends at "
+                    f"{have_end}, not term {term} / position {pos}"
+                )
+        # Drop every epoch up to the one containing new_offset, then put a
+        # marker epoch for the compacted entry, starting at the new front.
+        k = bisect.bisect_right(self._ep_idx, new_offset)
+        for t in self._ep_terms[:k]:
+            self._dirty_terms.add(t)
+        self._ep_terms[:k] = [term]
+        self._ep_idx[:k] = [new_offset]
+        self._ep_pos[:k] = [pos]
+        self._dirty_terms.add(term)
+
+        self._compacted = True
+        self._offset, self._offset_term, self._offset_pos = new_offset, term, pos
+        self._front_dirty = True
+        if new_offset >= self._limit:
+            del self._pending[: new_offset - self._limit + 1]
+            self._limit = new_offset + 1
+        if self._last == new_offset:
+            # Empty log: the front now describes the last entry (this only
+            # differs from before when upto - 1 was beyond the last index).
+            self._last_term, self._last_end = term, pos
+
+    # -- StableStore -------------------------------------------------------
+    def hard_state(self) -> HardState:
+        return self._hs
+
+    def save_hard_state(self, hs: HardState) -> None:
+        if hs != self._hs:
+            self._hs = hs
+            self._hs_dirty = True
+
+    # -- durability --------------------------------------------------------
+    def _has_batch(self) -> bool:
+        return bool(
+            self._pending
+            or self._limit <= self._durable_last
+            or self._front_dirty
+            or self._hs_dirty
+            or self._dirty_terms
+        )
+
+    def sync(self) -> None:
+        """Write the buffered batch in one transaction and make it durable
+        (in async mode: committed to the page cache, see the module doc)."""
+        if self._closed:
+            raise ValueError(f"storage in {self.path} is closed")
+        if not self._has_batch():
+            return
+        self._write(self._apply_batch)
+        # Only now, after a successful commit, is the batch forgotten.
+        self._pending.clear()
+        self._limit = self._last + 1
+        self._durable_last = self._last
+        self._hs_dirty = self._front_dirty = False
+        self._dirty_terms.clear()
+        self.write_txns += 1
+        self._unflushed = self.flush_mode == "async"
+
+    def _write(self, apply: _TxnFn) -> None:
+        """Run ``apply`` in one write transaction, growing the map and
+        replaying on MapFullError. ``apply`` must not change any state
+        outside the transaction so a replay is exact."""
+        while True:
+            try:
+                with self._env.begin(write=True) as txn:
+                    apply(txn)
+                return
+            except lmdb.MapFullError:
+                # The transaction was aborted; no reader or writer is open in
+                # this process here, as set_mapsize requires.
+                self._env.set_mapsize(self._env.info()["map_size"] * 2)
+                self.map_growths += 1
+
+    def _apply_batch(self, txn: lmdb.Transaction[bytes]) -> None:
+        cur = txn.cursor(db=self._log_db)
+        # 1. The back: durable records at or after limit were truncated.
+        if self._limit <= self._durable_last:
+            _delete_from(cur, self._limit, None)
+        # 2. The front: records at or before the compaction offset.
+        if self._front_dirty:
+            _delete_from(cur, 0, self._offset)
+            txn.put(
+                _META_FRONT,
+                _seal(
+                    _META_FRONT,
+                    _TRIPLE.pack(self._offset, self._offset_term, self._offset_pos),
+                ),
+                db=self._meta_db,
+            )
+        # 3. New entries, all above every remaining key: MDB_APPEND skips the
+        # B-tree search and fills pages densely.
+        if self._pending:
+            _, added = cur.putmulti(
+                ((_KEY.pack(e.index), encode_entry(e)) for e in self._pending),
+                append=True,
+            )
+            # MDB_APPEND silently skips a key that is not above the last one;
+            # that would be a bookkeeping bug here, and losing an entry quietly
+            # is the one thing a log must not do.
+            if added != len(self._pending):
+                raise InvariantViolation(
+                    f"appended {added} of {len(self._pending)} entries from index "
+                    f"{self._pending[0].index}: the durable log still holds keys above it"
+                )
+        # 4. Hard state and epochs.
+        if self._hs_dirty:
+            hs = self._hs
+            txn.put(
+                _META_HARD_STATE,
+                _seal(_META_HARD_STATE, _TRIPLE.pack(hs.term, hs.vote, hs.commit)),
+                db=self._meta_db,
+            )
+        for t in self._dirty_terms:
+            key = _KEY.pack(t)
+            k = bisect.bisect_left(self._ep_terms, t)
+            if k < len(self._ep_terms) and self._ep_terms[k] == t:
+                value = _seal(key, _EPOCH.pack(self._ep_pos[k], self._ep_idx[k]))
+                txn.put(key, value, db=self._epoch_db)
+            else:
+                txn.delete(key, db=self._epoch_db)
+
+    def maybe_flush(self, now_s: float) -> bool:
+        """Async mode: fsync committed transactions if ``flush_interval_s``
+        has passed since the last flush. Returns whether it flushed. A no-op
+        in sync mode, where every commit is already durable."""
+        if not self._unflushed:
+            return False
+        if self._last_flush_s is not None and now_s - self._last_flush_s < self.flush_interval_s:
+            return False
+        self.flush()
+        self._last_flush_s = now_s
+        return True
+
+    def flush(self) -> None:
+        """Async mode: fsync every committed transaction now."""
+        if self._unflushed and not self._closed:
+            self._env.sync(True)
+            self._unflushed = False
+            self.flushes += 1
+
+    def close(self) -> None:
+        """Flush committed transactions (async mode) and close. Buffered
+        writes that were never ``sync()``-ed are dropped, as in a crash."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            self._env.close()
+
+    def __enter__(self) -> LmdbStorage:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _delete_from(cur: lmdb.Cursor[bytes], lo: int, hi: int | None) -> None:
+    """Delete every log record with lo <= index (<= hi when given)."""
+    if not cur.set_range(_KEY.pack(lo)):
+        return
+    while True:
+        key = cur.key()
+        if not key or (hi is not None and _KEY.unpack(key)[0] > hi):
+            return
+        # mdb_cursor_del leaves the cursor on the following record.
+        if not cur.delete():
+            return

@@ -1,0 +1,1 @@
+"""http_api: see ../shared DESIGN map in README."""

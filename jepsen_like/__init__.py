@@ -1,0 +1,1 @@
+"""jepsen_like: see ../shared DESIGN map in README."""

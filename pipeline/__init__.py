@@ -1,0 +1,1 @@
+"""pipeline: see ../shared DESIGN map in README."""

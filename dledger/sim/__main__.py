@@ -7,6 +7,7 @@ command that reproduces it with its trace tail.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing as mp
 import sys
 import time
@@ -14,14 +15,14 @@ import time
 from dledger.sim.cluster import ALL_FAULTS, SimConfig, SimViolation, Simulation, mixed_config
 
 
-def _one(args: tuple[int, int, int | None, int, frozenset[str], bool]) -> tuple[int, int, str, str]:
-    seed, steps, voters, learners, faults, membership = args
+def _one(args: tuple[int, int, int | None, int, frozenset[str], dict[str, object]]) -> tuple[int, int, str, str]:
+    seed, steps, voters, learners, faults, overrides = args
     if voters is None:
         cfg = mixed_config(seed, steps, faults)
     else:
         cfg = SimConfig(voters=voters, learners=learners, steps=steps, faults=faults)
-    if not membership:
-        cfg = SimConfig(**{**cfg.__dict__, "membership": False})
+    if overrides:
+        cfg = dataclasses.replace(cfg, **overrides)
     sim = Simulation(seed, cfg)
     try:
         sim.run()
@@ -41,12 +42,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fault", action="append", default=[], choices=sorted(ALL_FAULTS),
                     help="break the protocol on purpose (checker self-test)")
     ap.add_argument("--no-membership", action="store_true")
+    ap.add_argument("--no-check-quorum", action="store_true", help="no stickiness or lease")
     ap.add_argument("--jobs", type=int, default=mp.cpu_count())
     ap.add_argument("--stop-on-failure", action="store_true", default=True)
     a = ap.parse_args(argv)
     faults = frozenset(a.fault)
     seeds = [a.seed] if a.seed is not None else list(range(a.first_seed, a.first_seed + a.seeds))
-    jobs = [(s, a.steps, a.voters, a.learners, faults, not a.no_membership) for s in seeds]
+    overrides: dict[str, object] = {}
+    if a.no_membership:
+        overrides["membership"] = False
+    if a.no_check_quorum:
+        overrides["check_quorum"] = False
+    jobs = [(s, a.steps, a.voters, a.learners, faults, overrides) for s in seeds]
     t0 = time.monotonic()
     total_steps = 0
     done = 0

@@ -83,21 +83,26 @@ class SimConfig:
     pause_rate: float = 0.001
     client_rate: float = 0.08
     membership: bool = True
+    check_quorum: bool = True  # off: no stickiness, no lease (ReadIndex only)
+    crash_after_vote_rate: float = 0.05  # kill right after granting a vote
+    crash_after_commit_rate: float = 0.01  # kill a leader right after it commits
     max_inflight_msgs: int = 8
     max_msg_bytes: int = 256
     faults: frozenset[str] = field(default_factory=frozenset)
     quiet_ticks: int = 80  # after the faulty phase: heal, restart, then check liveness
     check_liveness: bool = True
+    mixed: bool = False  # built by mixed_config(seed): reproduce with the seed alone
 
 
 class _Node:
-    __slots__ = ("applied", "commit_seen", "paused", "raft", "storage")
+    __slots__ = ("applied", "commit_before", "commit_seen", "paused", "raft", "storage")
 
     def __init__(self, raft: RawNode, storage: MemoryStorage) -> None:
         self.raft = raft
         self.storage = storage
         self.paused = False
         self.commit_seen = raft.log.committed
+        self.commit_before = raft.log.committed
         self.applied: list[tuple[int, int, bytes]] = []
 
 
@@ -122,6 +127,7 @@ class Simulation:
         self.held: dict[int, list[Message]] = {}  # messages for paused nodes
         self.missed_ticks: dict[int, int] = {}
         self.removed: set[int] = set()
+        self.incarnation: dict[int, int] = {}
         # checker state
         self.leader_of_term: dict[int, int] = {}
         self.entry_record: dict[tuple[int, int], tuple[int, int]] = {}
@@ -133,6 +139,7 @@ class Simulation:
         self.reads: dict[int, tuple[int, int]] = {}  # ctx -> (node, min index)
         self._ctx = 0
         self.read_only_phase = False
+        self.faulty = True
         self.stats: dict[str, int] = {
             "proposals": 0,
             "reads_ok": 0,
@@ -153,13 +160,17 @@ class Simulation:
     # ------------------------------------------------------------------ setup
     def argv(self) -> str:
         c = self.cfg
-        parts = [f"--seed {self.seed}", f"--steps {c.steps}", f"--voters {c.voters}"]
-        if c.learners:
+        parts = [f"--seed {self.seed}", f"--steps {c.steps}"]
+        if not c.mixed:
+            parts.append(f"--voters {c.voters}")
+        if c.learners and not c.mixed:
             parts.append(f"--learners {c.learners}")
         if c.faults:
             parts.append("--fault " + " --fault ".join(sorted(c.faults)))
         if not c.membership:
             parts.append("--no-membership")
+        if not c.check_quorum and not c.mixed:
+            parts.append("--no-check-quorum")
         return " ".join(parts)
 
     def _raft_config(self, nid: int) -> RaftConfig:
@@ -172,6 +183,7 @@ class Simulation:
             lease_drift_ticks=c.lease_drift_ticks,
             max_inflight_msgs=c.max_inflight_msgs,
             max_msg_bytes=c.max_msg_bytes,
+            check_quorum=c.check_quorum,
             faults=c.faults & CORE_FAULTS,
         )
 
@@ -185,7 +197,9 @@ class Simulation:
         node_rng = random.Random(self.rng.getrandbits(64))
         raft = RawNode(self._raft_config(nid), st, st, node_rng)
         self.nodes[nid] = _Node(raft, st)
-        self._at(self.now + self.rng.randrange(1, self.period[nid]), "tick", nid)
+        self.incarnation[nid] = self.incarnation.get(nid, 0) + 1
+        # Ticks carry the incarnation: a chain left from before a crash dies.
+        self._at(self.now + self.rng.randrange(1, self.period[nid]), "tick", (nid, self.incarnation[nid]))
 
     # ------------------------------------------------------------------ events
     def _at(self, t: int, kind: str, payload: Any) -> None:
@@ -204,16 +218,16 @@ class Simulation:
         raise SimViolation(self.seed, what, list(self._tail), self.argv())
 
     def run(self) -> Simulation:
-        faulty = True
+        self.faulty = True
         quiet_until = None
         while True:
-            if faulty and self.steps >= self.cfg.steps:
-                faulty = False
+            if self.faulty and self.steps >= self.cfg.steps:
+                self.faulty = False
                 self._heal_all()
                 quiet_until = self.now + self.cfg.quiet_ticks * BASE_TICK
-            if not faulty and quiet_until is not None and self.now >= quiet_until:
+            if not self.faulty and quiet_until is not None and self.now >= quiet_until:
                 break
-            if faulty:
+            if self.faulty:
                 self._maybe_inject()
             t, _, kind, payload = heapq.heappop(self._events)
             self.now = max(self.now, t)
@@ -231,11 +245,11 @@ class Simulation:
 
     def _dispatch(self, kind: str, payload: Any) -> None:
         if kind == "tick":
-            nid = payload
+            nid, inc = payload
             n = self.nodes.get(nid)
-            if n is None:
+            if n is None or inc != self.incarnation[nid]:
                 return  # crashed; restart schedules a new tick chain
-            self._at(self.now + self.period[nid], "tick", nid)
+            self._at(self.now + self.period[nid], "tick", payload)
             if n.paused:
                 self.missed_ticks[nid] = self.missed_ticks.get(nid, 0) + 1
                 return
@@ -277,14 +291,28 @@ class Simulation:
             if n is None or not n.raft.has_ready():
                 return
             voters_before = n.raft.config.voters
+            n.commit_before = n.raft.log.committed
             rd = n.raft.ready()
             if self._persist(nid, n, rd):
                 return  # crashed mid-write
             for m in rd.messages:
                 self._send(m)
+            if self.faulty and any(
+                m.type is MsgType.VOTE_RESP and not m.reject for m in rd.messages
+            ) and self.rng.random() < self.cfg.crash_after_vote_rate:
+                self._crash(nid, "crash-after-vote", fast=True)
+                return
             self._apply(nid, n, rd)
             n.raft.advance(rd)
             self._after_advance(nid, n, rd, voters_before)
+            if (
+                self.faulty
+                and n.raft.role is Role.LEADER
+                and n.raft.log.committed > n.commit_before
+                and self.rng.random() < self.cfg.crash_after_commit_rate
+            ):
+                self._crash(nid, "crash-after-commit", fast=True)
+                return
         self.fail(f"node {nid} kept producing Ready batches (100 in a row)")
 
     def _persist(self, nid: int, n: _Node, rd: Ready) -> bool:
@@ -375,7 +403,14 @@ class Simulation:
             self.stats["elections"] += 1
             for other in sorted(self.nodes):
                 o = self.nodes[other]
-                if other != nid and self._lease_held(other) and o.raft.transferee == NONE:
+                # A newer term deposes a lease holder; a stale leader of an older
+                # term (late vote replies) cannot commit or lease, so it is harmless.
+                if (
+                    other != nid
+                    and o.raft.term < r.term
+                    and self._lease_held(other)
+                    and o.raft.transferee == NONE
+                ):
                     self.fail(
                         f"node {nid} was elected leader of term {r.term} while node {other} "
                         f"(term {o.raft.term}) still holds a lease"
@@ -575,7 +610,7 @@ class Simulation:
                 self._trace(f"pause n{target}")
                 self._at(self.now + rng.randrange(BASE_TICK, 25 * BASE_TICK), "resume", target)
 
-    def _crash(self, nid: int, why: str) -> None:
+    def _crash(self, nid: int, why: str, fast: bool = False) -> None:
         n = self.nodes.pop(nid, None)
         if n is None:
             return
@@ -584,7 +619,9 @@ class Simulation:
         self.missed_ticks.pop(nid, None)
         self.stats["crashes"] += 1
         self._trace(f"{why} n{nid}")
-        self._at(self.now + self.rng.randrange(BASE_TICK, 30 * BASE_TICK), "restart", nid)
+        # A supervisor may restart a process at once, or only much later.
+        lo, hi = (50, BASE_TICK) if fast or self.rng.random() < 0.3 else (BASE_TICK, 30 * BASE_TICK)
+        self._at(self.now + self.rng.randrange(lo, hi), "restart", nid)
 
     def _resume(self, nid: int) -> None:
         n = self.nodes.get(nid)
@@ -699,7 +736,15 @@ def mixed_config(seed: int, steps: int, faults: frozenset[str] = frozenset()) ->
     r = random.Random(seed ^ 0x5EED)
     voters = r.choice([3, 3, 5])
     learners = r.choice([0, 0, 1, 2])
-    return SimConfig(voters=voters, learners=learners, steps=steps, faults=faults)
+    return SimConfig(
+        voters=voters,
+        learners=learners,
+        steps=steps,
+        faults=faults,
+        check_quorum=r.random() < 0.8,
+        max_msg_bytes=r.choice([64, 256, 4096]),
+        mixed=True,
+    )
 
 
 Progress = Callable[[str], None]

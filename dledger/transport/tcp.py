@@ -1,0 +1,682 @@
+"""Asyncio TCP transport between Raft peers.
+
+Topology: every node dials every peer for its *outbound* traffic and accepts
+connections for its *inbound* traffic, so each ordered pair of nodes has its
+own connection, written by exactly one side. That keeps ordering per peer
+trivial (one writer, one stream) and avoids tie-breaking when two nodes dial
+each other at the same time. The listener never sends anything after the
+handshake; the dialer learns that a connection died from EOF or a failed write.
+
+Back-pressure: ``send`` appends to a bounded per-peer queue and returns
+``False`` once the queue is full. A dedicated task per peer drains the queue
+in batches (many frames, one ``drain``). While a peer is unreachable its
+queue fills and further sends are refused, so memory stays bounded by
+``max_queue_bytes`` per peer plus one batch in flight.
+
+Liveness: an idle dialer sends PING every ``keepalive_interval``; a listener
+drops a connection silent for ``idle_timeout``; a write that cannot drain
+within ``write_timeout`` drops the connection. The dialer then reconnects with
+exponential backoff and jitter.
+
+Security: with a secret, every frame after the handshake carries an HMAC with
+a per-connection, per-direction key (see :mod:`.handshake`); there is no
+encryption, payloads are readable on the wire. The secret is shared by the
+whole cluster, so it authenticates membership, not individual node ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import socket
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from dledger.errors import ConfigError
+from dledger.transport.base import Address, OnMessage
+from dledger.transport.frames import (
+    DEFAULT_MAX_FRAME_SIZE,
+    Frame,
+    FrameDecoder,
+    FrameEncoder,
+    FrameError,
+    FrameKind,
+)
+from dledger.transport.handshake import (
+    MAX_CLUSTER_ID_BYTES,
+    MAX_HANDSHAKE_FRAME,
+    MAX_NODE_ID,
+    HandshakeError,
+    Hello,
+    Role,
+    check_hello,
+    decode_hello,
+    derive_session,
+    encode_hello,
+    proof_matches,
+)
+
+logger = logging.getLogger(__name__)
+
+COUNTERS = (
+    "frames_sent",  # DATA frames handed to a socket
+    "frames_received",  # DATA frames delivered to on_message
+    "bytes_sent",  # payload bytes of frames_sent
+    "bytes_received",  # payload bytes of frames_received
+    "pings_sent",
+    "dropped_full_queue",  # send() refused: the peer's queue is at its limit
+    "dropped_unknown_peer",  # send() refused: not a configured peer
+    "dropped_oversize",  # send() refused: payload above max_frame_size
+    "dropped_stopped",  # send() refused: transport stopped
+    "dropped_in_flight",  # in a batch whose write failed (approximate: the kernel
+    # may have sent some of it, and frames buffered by a dying peer go unseen)
+    "connects",  # outbound sessions established (handshake done)
+    "reconnects",  # ... of which not the first one to that peer
+    "connect_failures",  # outbound TCP connect failed or timed out
+    "failed_handshakes",  # outbound handshake did not complete
+    "accepted",  # inbound sessions established
+    "rejected_handshakes",  # inbound handshake refused (identity, secret, garbage, timeout)
+    "bad_frames",  # undecodable / unauthenticated frames, either direction
+    "idle_timeouts",  # inbound connections closed for silence
+    "write_timeouts",  # outbound connections closed because writes stalled
+    "callback_errors",  # on_message raised
+)
+
+_READ_CHUNK = 256 * 1024
+_SETTLE_TURNS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class PeerStatus:
+    node_id: int
+    address: Address
+    outbound_connected: bool
+    inbound_connected: bool
+    queued_frames: int
+    queued_bytes: int
+
+
+class _Peer:
+    __slots__ = (
+        "addr",
+        "connected",
+        "node_id",
+        "queue",
+        "queued_bytes",
+        "sessions",
+        "task",
+        "wakeup",
+    )
+
+    def __init__(self, node_id: int, addr: Address) -> None:
+        self.node_id = node_id
+        self.addr = addr
+        self.queue: deque[bytes] = deque()
+        self.queued_bytes = 0
+        self.wakeup = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+        self.sessions = 0
+        self.connected = False
+
+
+def _check_node_id(nid: int, what: str) -> None:
+    if not 1 <= nid <= MAX_NODE_ID:
+        raise ConfigError(f"{what} {nid} is not a valid node id (1..2**64-1)")
+
+
+def _set_nodelay(writer: asyncio.StreamWriter) -> None:
+    # Raft messages are small and latency-bound; we batch ourselves.
+    sock = writer.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+async def _abort(writer: asyncio.StreamWriter) -> None:
+    # abort() rather than close(): close() waits for the send buffer to
+    # flush, which never happens when the peer is the reason we are closing.
+    writer.transport.abort()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+
+
+async def _read_frame(reader: asyncio.StreamReader, dec: FrameDecoder) -> Frame:
+    while (frame := dec.next_frame()) is None:
+        data = await reader.read(4096)
+        if not data:
+            raise HandshakeError("peer closed the connection during the handshake")
+        dec.push(data)
+    return frame
+
+
+class TcpTransport:
+    """Peer transport over TCP. See the module docstring for the design."""
+
+    def __init__(
+        self,
+        node_id: int,
+        cluster_id: str,
+        listen_host: str,
+        listen_port: int,
+        peers: Mapping[int, Address],
+        secret: bytes | None,
+        on_message: OnMessage,
+        *,
+        max_queue_frames: int = 4096,
+        max_queue_bytes: int = 64 * 1024 * 1024,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        max_batch_bytes: int = 1024 * 1024,
+        connect_timeout: float = 1.0,
+        handshake_timeout: float = 2.0,
+        write_timeout: float = 5.0,
+        keepalive_interval: float = 1.0,
+        idle_timeout: float = 5.0,
+        backoff_initial: float = 0.02,
+        backoff_max: float = 1.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        _check_node_id(node_id, "node_id")
+        if not cluster_id or len(cluster_id.encode("utf-8")) > MAX_CLUSTER_ID_BYTES:
+            raise ConfigError(f"cluster_id must be 1..{MAX_CLUSTER_ID_BYTES} UTF-8 bytes")
+        if secret is not None and not secret:
+            raise ConfigError("secret must be None (no authentication) or non-empty")
+        if not 0 <= listen_port <= 65535:
+            raise ConfigError(f"listen_port {listen_port} out of range")
+        if max_queue_frames < 1 or max_queue_bytes < 1 or max_batch_bytes < 1:
+            raise ConfigError("queue and batch limits must be positive")
+        if not 1 <= max_frame_size <= 0xFFFF_FFFF:
+            raise ConfigError("max_frame_size must be within 1..2**32-1")
+        timeouts = (connect_timeout, handshake_timeout, write_timeout, keepalive_interval)
+        if min(timeouts) <= 0 or backoff_initial <= 0 or backoff_max < backoff_initial:
+            raise ConfigError("timeouts and backoff must be positive, backoff_max >= initial")
+        if idle_timeout <= keepalive_interval:
+            raise ConfigError("idle_timeout must exceed keepalive_interval")
+
+        self.node_id = node_id
+        self.cluster_id = cluster_id
+        self._listen_host = listen_host
+        self._listen_port = listen_port
+        self._secret = secret
+        self._on_message = on_message
+        self._max_queue_frames = max_queue_frames
+        self._max_queue_bytes = max_queue_bytes
+        self._max_frame_size = max_frame_size
+        self._max_batch_bytes = max_batch_bytes
+        self._connect_timeout = connect_timeout
+        self._handshake_timeout = handshake_timeout
+        self._write_timeout = write_timeout
+        self._keepalive_interval = keepalive_interval
+        self._idle_timeout = idle_timeout
+        self._backoff_initial = backoff_initial
+        self._backoff_max = backoff_max
+        self._rng = rng if rng is not None else random.Random()
+
+        self._peers: dict[int, _Peer] = {
+            nid: _Peer(nid, addr) for nid, addr in self._normalize(peers).items()
+        }
+        self._inbound: dict[int, asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._server: asyncio.Server | None = None
+        self._bound: Address | None = None
+        self._closed = False
+        self._c: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+
+    # -- public API ---------------------------------------------------------
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return dict(self._c)
+
+    @property
+    def listen_address(self) -> Address:
+        """The bound (host, port); with ``listen_port=0`` the port the OS chose."""
+        if self._bound is None:
+            raise RuntimeError("transport not started")
+        return self._bound
+
+    @property
+    def port(self) -> int:
+        return self.listen_address[1]
+
+    @property
+    def peers(self) -> dict[int, Address]:
+        return {nid: p.addr for nid, p in self._peers.items()}
+
+    def peer_status(self, node_id: int) -> PeerStatus | None:
+        p = self._peers.get(node_id)
+        if p is None:
+            return None
+        return PeerStatus(
+            node_id=node_id,
+            address=p.addr,
+            outbound_connected=p.connected,
+            inbound_connected=node_id in self._inbound,
+            queued_frames=len(p.queue),
+            queued_bytes=p.queued_bytes,
+        )
+
+    async def start(self) -> None:
+        if self._server is not None or self._closed:
+            raise RuntimeError("a TcpTransport can be started once")
+        self._server = await asyncio.start_server(
+            self._accept, self._listen_host, self._listen_port, reuse_address=True
+        )
+        host, port = self._server.sockets[0].getsockname()[:2]
+        self._bound = (host, port)
+        for peer in self._peers.values():
+            self._spawn_dialer(peer)
+
+    async def stop(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._server is not None:
+            self._server.close()
+        # Cancelled sessions may still be finishing their cleanup; loop until
+        # nothing we own is left so no task outlives stop().
+        while self._tasks:
+            pending = list(self._tasks)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        # On 3.11 Server.wait_closed() does not wait for connections: one
+        # accepted just before close() still reaches _accept (which aborts
+        # it), and an aborted socket is closed one callback later. A few loop
+        # turns let that chain finish so no socket outlives stop().
+        for _ in range(_SETTLE_TURNS):
+            await asyncio.sleep(0)
+        if self._server is not None:
+            await self._server.wait_closed()
+        for p in self._peers.values():
+            p.queue.clear()
+            p.queued_bytes = 0
+
+    def send(self, to: int, payload: bytes) -> bool:
+        if self._closed:
+            self._c["dropped_stopped"] += 1
+            return False
+        peer = self._peers.get(to)
+        if peer is None:
+            self._c["dropped_unknown_peer"] += 1
+            return False
+        n = len(payload)
+        if n > self._max_frame_size:
+            self._c["dropped_oversize"] += 1
+            return False
+        if (
+            len(peer.queue) >= self._max_queue_frames
+            or peer.queued_bytes + n > self._max_queue_bytes
+        ):
+            self._c["dropped_full_queue"] += 1
+            return False
+        peer.queue.append(payload)
+        peer.queued_bytes += n
+        peer.wakeup.set()
+        return True
+
+    def update_peers(self, peers: Mapping[int, Address]) -> None:
+        """Replace the peer set (membership change).
+
+        Removed peers lose their queue, outbound and inbound connections and
+        can no longer connect; a changed address restarts the dialer but keeps
+        the queue. Our own id may appear in ``peers`` and is ignored.
+        """
+        if self._closed:
+            raise RuntimeError("transport stopped")
+        new = self._normalize(peers)
+        for nid in [n for n in self._peers if n not in new]:
+            peer = self._peers.pop(nid)
+            if peer.task is not None:
+                peer.task.cancel()
+            peer.queue.clear()
+            peer.queued_bytes = 0
+            inbound = self._inbound.pop(nid, None)
+            if inbound is not None:
+                inbound.cancel()
+        for nid, addr in new.items():
+            existing = self._peers.get(nid)
+            if existing is not None and existing.addr == addr:
+                continue
+            if existing is not None:
+                if existing.task is not None:
+                    existing.task.cancel()
+                existing.addr = addr
+                existing.connected = False
+                peer = existing
+            else:
+                peer = self._peers[nid] = _Peer(nid, addr)
+            if self._server is not None:
+                self._spawn_dialer(peer)
+
+    # -- internals ----------------------------------------------------------
+
+    def _normalize(self, peers: Mapping[int, Address]) -> dict[int, Address]:
+        out: dict[int, Address] = {}
+        for nid, (host, port) in peers.items():
+            _check_node_id(nid, "peer id")
+            if nid == self.node_id:
+                continue
+            if not 0 < port <= 65535:
+                raise ConfigError(f"peer {nid} has invalid port {port}")
+            out[nid] = (host, port)
+        return out
+
+    def _track(self, task: asyncio.Task[None], *, owned: bool = False) -> asyncio.Task[None]:
+        """Register a task so stop() can cancel and await it.
+
+        ``owned`` tasks have a parent that awaits them and judges their
+        exception; every other task is expected never to fail, so a failure
+        there is a bug worth an error log.
+        """
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        if not owned:
+            task.add_done_callback(self._report_crash)
+        return task
+
+    @staticmethod
+    def _report_crash(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            logger.error("transport task %s crashed", task.get_name(), exc_info=exc)
+
+    def _spawn_dialer(self, peer: _Peer) -> None:
+        peer.task = self._track(
+            asyncio.get_running_loop().create_task(
+                self._dial_loop(peer), name=f"dledger-transport-{self.node_id}->{peer.node_id}"
+            )
+        )
+
+    def _backoff(self, failures: int) -> float:
+        base = min(self._backoff_max, self._backoff_initial * float(2 ** min(failures, 30)))
+        # Jitter keeps a cluster that lost a node from reconnecting in lockstep.
+        return base * self._rng.uniform(0.5, 1.0)
+
+    def _deliver(self, frm: int, payload: bytes) -> None:
+        self._c["frames_received"] += 1
+        self._c["bytes_received"] += len(payload)
+        try:
+            self._on_message(frm, payload)
+        except Exception:
+            self._c["callback_errors"] += 1
+            logger.exception("on_message raised for a message from node %d", frm)
+
+    # -- outbound -----------------------------------------------------------
+
+    async def _dial_loop(self, peer: _Peer) -> None:
+        failures = 0
+        while not self._closed:
+            try:
+                established = await self._dial_once(peer)
+            except Exception:
+                logger.exception("unexpected error dialing node %d", peer.node_id)
+                established = False
+            failures = 0 if established else failures + 1
+            await asyncio.sleep(self._backoff(failures))
+
+    async def _dial_once(self, peer: _Peer) -> bool:
+        host, port = peer.addr
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                reader, writer = await asyncio.open_connection(host, port)
+        except (OSError, TimeoutError) as e:
+            self._c["connect_failures"] += 1
+            logger.debug(
+                "node %d: connect to %d at %s:%d failed: %r",
+                self.node_id,
+                peer.node_id,
+                host,
+                port,
+                e,
+            )
+            return False
+        try:
+            _set_nodelay(writer)
+            try:
+                async with asyncio.timeout(self._handshake_timeout):
+                    enc = await self._dialer_handshake(peer, reader, writer)
+            except (HandshakeError, FrameError, TimeoutError, OSError) as e:
+                self._c["failed_handshakes"] += 1
+                if isinstance(e, FrameError):
+                    self._c["bad_frames"] += 1
+                logger.info(
+                    "node %d: handshake with node %d failed: %s",
+                    self.node_id,
+                    peer.node_id,
+                    str(e) or type(e).__name__,
+                )
+                return False
+            peer.sessions += 1
+            self._c["connects"] += 1
+            if peer.sessions > 1:
+                self._c["reconnects"] += 1
+            peer.connected = True
+            try:
+                await self._run_session(peer, reader, writer, enc)
+            finally:
+                # After an address change a successor task may already own
+                # the flag; only the current dialer may clear it.
+                if peer.task is asyncio.current_task():
+                    peer.connected = False
+            return True
+        finally:
+            await _abort(writer)
+
+    async def _dialer_handshake(
+        self, peer: _Peer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> FrameEncoder:
+        enc, dec = FrameEncoder(), FrameDecoder(MAX_HANDSHAKE_FRAME)
+        has_secret = self._secret is not None
+        mine = encode_hello(Hello.fresh(self.cluster_id, self.node_id, peer.node_id, has_secret))
+        writer.write(enc.encode(FrameKind.HELLO, mine))
+        await writer.drain()
+        frame = await _read_frame(reader, dec)
+        if frame.kind is not FrameKind.HELLO:
+            raise HandshakeError(f"expected HELLO, got {frame.kind.name}")
+        theirs = decode_hello(frame.payload)
+        check_hello(
+            theirs,
+            cluster_id=self.cluster_id,
+            node_id=self.node_id,
+            has_secret=has_secret,
+            expect_node=peer.node_id,
+        )
+        if self._secret is not None:
+            keys = derive_session(self._secret, Role.DIALER, mine, frame.payload)
+            enc.set_mac_key(keys.send_key)
+            dec.set_mac_key(keys.recv_key)
+            writer.write(enc.encode(FrameKind.AUTH, keys.local_proof))
+            await writer.drain()
+            try:
+                frame = await _read_frame(reader, dec)
+            except FrameError as e:
+                raise HandshakeError(f"listener failed authentication ({e})") from e
+            if frame.kind is not FrameKind.AUTH or not proof_matches(
+                keys.peer_proof, frame.payload
+            ):
+                raise HandshakeError("listener failed authentication")
+        if dec.buffered:
+            raise FrameError("listener sent data after its handshake")
+        return enc
+
+    async def _run_session(
+        self,
+        peer: _Peer,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        enc: FrameEncoder,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        pump = self._track(loop.create_task(self._pump(peer, writer, enc)), owned=True)
+        watch = self._track(loop.create_task(self._watch(reader)), owned=True)
+        try:
+            await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            pump.cancel()
+            watch.cancel()
+            results = await asyncio.gather(pump, watch, return_exceptions=True)
+        for r in results:
+            if isinstance(r, asyncio.CancelledError) or r is None:
+                continue
+            if isinstance(r, FrameError):
+                self._c["bad_frames"] += 1
+            elif isinstance(r, TimeoutError):
+                self._c["write_timeouts"] += 1
+            elif not isinstance(r, OSError):
+                logger.error("session to node %d failed", peer.node_id, exc_info=r)
+                continue
+            logger.info("node %d: connection to node %d lost: %r", self.node_id, peer.node_id, r)
+
+    async def _pump(self, peer: _Peer, writer: asyncio.StreamWriter, enc: FrameEncoder) -> None:
+        while True:
+            if not peer.queue:
+                peer.wakeup.clear()
+                try:
+                    async with asyncio.timeout(self._keepalive_interval):
+                        await peer.wakeup.wait()
+                except TimeoutError:
+                    writer.write(enc.encode(FrameKind.PING))
+                    self._c["pings_sent"] += 1
+                    await self._drain(writer, 0)
+                    continue
+            chunks: list[bytes] = []
+            size = 0
+            while peer.queue and size < self._max_batch_bytes:
+                payload = peer.queue.popleft()
+                peer.queued_bytes -= len(payload)
+                chunks.append(enc.encode(FrameKind.DATA, payload))
+                size += len(payload)
+            writer.writelines(chunks)
+            self._c["frames_sent"] += len(chunks)
+            self._c["bytes_sent"] += size
+            await self._drain(writer, len(chunks))
+
+    async def _drain(self, writer: asyncio.StreamWriter, frames: int) -> None:
+        try:
+            async with asyncio.timeout(self._write_timeout):
+                await writer.drain()
+        except BaseException:
+            # Some of these frames may still be in the kernel or our buffer;
+            # counting the whole batch is an upper bound on what was lost.
+            self._c["dropped_in_flight"] += frames
+            raise
+
+    async def _watch(self, reader: asyncio.StreamReader) -> None:
+        # The listener never talks after the handshake: a byte is a protocol
+        # violation and EOF means the connection is gone.
+        if await reader.read(1):
+            raise FrameError("listener sent data after the handshake")
+
+    # -- inbound ------------------------------------------------------------
+
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # A plain callback (not a coroutine) so the serving task is ours to
+        # track and cancel; asyncio's own wrapper task would escape stop().
+        if self._closed:
+            writer.transport.abort()
+            return
+        task = self._track(
+            asyncio.get_running_loop().create_task(self._serve_inbound(reader, writer))
+        )
+        # A task cancelled before its first step never runs its finally
+        # block (stop() can do that to a connection accepted an instant
+        # earlier), so the socket's closing must not depend on it.
+        task.add_done_callback(lambda _t: writer.transport.abort())
+
+    async def _serve_inbound(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        me = asyncio.current_task()
+        peer_id = 0
+        try:
+            _set_nodelay(writer)
+            try:
+                async with asyncio.timeout(self._handshake_timeout):
+                    peer_id, dec = await self._listener_handshake(reader, writer)
+            except (HandshakeError, FrameError, TimeoutError, OSError) as e:
+                self._c["rejected_handshakes"] += 1
+                if isinstance(e, FrameError):
+                    self._c["bad_frames"] += 1
+                logger.info(
+                    "node %d: rejected connection from %s: %s",
+                    self.node_id,
+                    writer.get_extra_info("peername"),
+                    str(e) or type(e).__name__,
+                )
+                return
+            self._c["accepted"] += 1
+            # A fresh session from the same peer means the old one is dead
+            # (or half-open); retire it so two streams never interleave.
+            old = self._inbound.get(peer_id)
+            if old is not None:
+                old.cancel()
+            assert me is not None
+            self._inbound[peer_id] = me
+            await self._receive(peer_id, reader, dec)
+        except FrameError as e:
+            self._c["bad_frames"] += 1
+            logger.info("node %d: bad frame from node %d: %s", self.node_id, peer_id, e)
+        except TimeoutError:
+            self._c["idle_timeouts"] += 1
+        except OSError as e:
+            logger.debug("node %d: inbound connection from %d lost: %r", self.node_id, peer_id, e)
+        finally:
+            if peer_id and self._inbound.get(peer_id) is me:
+                del self._inbound[peer_id]
+            await _abort(writer)
+
+    async def _listener_handshake(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> tuple[int, FrameDecoder]:
+        enc, dec = FrameEncoder(), FrameDecoder(MAX_HANDSHAKE_FRAME)
+        frame = await _read_frame(reader, dec)
+        if frame.kind is not FrameKind.HELLO:
+            raise HandshakeError(f"expected HELLO, got {frame.kind.name}")
+        theirs = decode_hello(frame.payload)
+        has_secret = self._secret is not None
+        check_hello(
+            theirs,
+            cluster_id=self.cluster_id,
+            node_id=self.node_id,
+            has_secret=has_secret,
+            expect_node=None,
+        )
+        if theirs.node_id not in self._peers:
+            raise HandshakeError(f"node {theirs.node_id} is not a configured peer")
+        mine = encode_hello(Hello.fresh(self.cluster_id, self.node_id, theirs.node_id, has_secret))
+        writer.write(enc.encode(FrameKind.HELLO, mine))
+        await writer.drain()
+        if self._secret is not None:
+            keys = derive_session(self._secret, Role.LISTENER, frame.payload, mine)
+            enc.set_mac_key(keys.send_key)
+            dec.set_mac_key(keys.recv_key)
+            try:
+                frame = await _read_frame(reader, dec)
+            except FrameError as e:
+                raise HandshakeError(f"dialer failed authentication ({e})") from e
+            if frame.kind is not FrameKind.AUTH or not proof_matches(
+                keys.peer_proof, frame.payload
+            ):
+                raise HandshakeError("dialer failed authentication")
+            writer.write(enc.encode(FrameKind.AUTH, keys.local_proof))
+            await writer.drain()
+        dec.max_frame_size = self._max_frame_size
+        return theirs.node_id, dec
+
+    async def _receive(self, peer_id: int, reader: asyncio.StreamReader, dec: FrameDecoder) -> None:
+        frames = dec.feed(b"")  # anything pipelined behind the handshake
+        while True:
+            for frame in frames:
+                if peer_id not in self._peers:
+                    return  # removed by update_peers while this batch was in hand
+                if frame.kind is FrameKind.DATA:
+                    self._deliver(peer_id, frame.payload)
+                elif frame.kind is not FrameKind.PING:
+                    raise FrameError(f"unexpected {frame.kind.name} frame after the handshake")
+            async with asyncio.timeout(self._idle_timeout):
+                data = await reader.read(_READ_CHUNK)
+            if not data:
+                return
+            frames = dec.feed(data)

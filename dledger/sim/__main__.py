@@ -12,13 +12,22 @@ import multiprocessing as mp
 import sys
 import time
 
-from dledger.sim.cluster import ALL_FAULTS, SimConfig, SimViolation, Simulation, mixed_config
+from dledger.sim.cluster import (
+    ALL_FAULTS,
+    PROFILES,
+    SimConfig,
+    Simulation,
+    SimViolation,
+    mixed_config,
+)
+
+Job = tuple[int, int, int | None, int, frozenset[str], dict[str, object], str]
 
 
-def _one(args: tuple[int, int, int | None, int, frozenset[str], dict[str, object]]) -> tuple[int, int, str, str]:
-    seed, steps, voters, learners, faults, overrides = args
+def _one(args: Job) -> tuple[int, int, str, str]:
+    seed, steps, voters, learners, faults, overrides, profile = args
     if voters is None:
-        cfg = mixed_config(seed, steps, faults)
+        cfg = mixed_config(seed, steps, faults, profile)
     else:
         cfg = SimConfig(voters=voters, learners=learners, steps=steps, faults=faults)
     if overrides:
@@ -41,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--learners", type=int, default=0)
     ap.add_argument("--fault", action="append", default=[], choices=sorted(ALL_FAULTS),
                     help="break the protocol on purpose (checker self-test)")
+    ap.add_argument("--profile", default="mixed", choices=sorted(PROFILES),
+                    help="nemesis emphasis on top of the standard mix")
     ap.add_argument("--no-membership", action="store_true")
     ap.add_argument("--no-check-quorum", action="store_true", help="no stickiness or lease")
     ap.add_argument("--jobs", type=int, default=mp.cpu_count())
@@ -53,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         overrides["membership"] = False
     if a.no_check_quorum:
         overrides["check_quorum"] = False
-    jobs = [(s, a.steps, a.voters, a.learners, faults, overrides) for s in seeds]
+    jobs: list[Job] = [
+        (s, a.steps, a.voters, a.learners, faults, overrides, a.profile) for s in seeds
+    ]
     t0 = time.monotonic()
     total_steps = 0
     done = 0

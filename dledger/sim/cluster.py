@@ -21,6 +21,7 @@ seed must produce the same hash (the determinism check).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import heapq
 import random
@@ -36,7 +37,6 @@ from dledger.core.types import (
     ClusterConfig,
     ConfChange,
     ConfChangeType,
-    EntryType,
     Message,
     MsgType,
     RaftConfig,
@@ -84,14 +84,18 @@ class SimConfig:
     client_rate: float = 0.08
     membership: bool = True
     check_quorum: bool = True  # off: no stickiness, no lease (ReadIndex only)
+    pre_vote: bool = True
+    stale_leader_reads: float = 0.0  # share of client ops sent to any self-believed leader
     crash_after_vote_rate: float = 0.05  # kill right after granting a vote
     crash_after_commit_rate: float = 0.01  # kill a leader right after it commits
+    crash_after_elected_rate: float = 0.03  # kill a new leader before its no-op spreads
     max_inflight_msgs: int = 8
     max_msg_bytes: int = 256
     faults: frozenset[str] = field(default_factory=frozenset)
     quiet_ticks: int = 80  # after the faulty phase: heal, restart, then check liveness
     check_liveness: bool = True
     mixed: bool = False  # built by mixed_config(seed): reproduce with the seed alone
+    profile: str = "mixed"
 
 
 class _Node:
@@ -167,6 +171,8 @@ class Simulation:
             parts.append(f"--learners {c.learners}")
         if c.faults:
             parts.append("--fault " + " --fault ".join(sorted(c.faults)))
+        if c.mixed and c.profile != "mixed":
+            parts.append(f"--profile {c.profile}")
         if not c.membership:
             parts.append("--no-membership")
         if not c.check_quorum and not c.mixed:
@@ -184,6 +190,7 @@ class Simulation:
             max_inflight_msgs=c.max_inflight_msgs,
             max_msg_bytes=c.max_msg_bytes,
             check_quorum=c.check_quorum,
+            pre_vote=c.pre_vote,
             faults=c.faults & CORE_FAULTS,
         )
 
@@ -295,6 +302,15 @@ class Simulation:
             rd = n.raft.ready()
             if self._persist(nid, n, rd):
                 return  # crashed mid-write
+            if (
+                self.faulty
+                and rd.soft_state is not None
+                and rd.soft_state.role is Role.LEADER
+                and self.rng.random() < self.cfg.crash_after_elected_rate
+            ):
+                # Elected, no-op persisted, crashed before anything was sent.
+                self._crash(nid, "crash-after-elected", fast=True)
+                return
             for m in rd.messages:
                 self._send(m)
             if self.faulty and any(
@@ -511,6 +527,10 @@ class Simulation:
 
     def _pick_target(self) -> int:
         live = sorted(self.nodes)
+        if self.cfg.stale_leader_reads and self.rng.random() < self.cfg.stale_leader_reads:
+            leaders = [n for n in live if self.nodes[n].raft.role is Role.LEADER]
+            if leaders:
+                return self.rng.choice(leaders)
         lead = self._leader()
         if lead and self.rng.random() < 0.7:
             return lead
@@ -731,20 +751,65 @@ def run_seed(seed: int, cfg: SimConfig) -> Simulation:
     return Simulation(seed, cfg).run()
 
 
-def mixed_config(seed: int, steps: int, faults: frozenset[str] = frozenset()) -> SimConfig:
-    """The standard mix: 3 or 5 voters, sometimes learners, every fault kind."""
+# Nemesis emphases. "mixed" is the standard run; the others turn up the fault
+# that a particular protocol bug needs before it can show (as Jepsen picks
+# nemeses per bug): figure 8 needs divergent uncommitted tails and leaders
+# that die before their no-op spreads; a lost vote needs a crash right after
+# voting and no stickiness to mask it.
+PROFILES: dict[str, dict[str, Any]] = {
+    "mixed": {},
+    "figure8": {
+        "voters": 5,
+        "learners": 0,
+        "crash_after_elected_rate": 0.3,
+        "max_msg_bytes": 64,
+        "drop_rate": 0.1,
+        "membership": False,
+    },
+    "lease": {
+        # leaders isolated or paused while clients keep reading from whoever
+        # believes it leads: what a lease bug needs to turn into a stale read.
+        "voters": 3,
+        "learners": 0,
+        "pause_rate": 0.004,
+        "partition_rate": 0.006,
+        "stale_leader_reads": 0.5,
+        "membership": False,
+    },
+    "vote-loss": {
+        # vanilla Raft (no pre-vote, no stickiness), tight timeouts and a slow
+        # network: split votes are common and a vote can be in flight across
+        # the crash of the node that granted the other one.
+        "voters": 5,
+        "learners": 0,
+        "crash_after_vote_rate": 0.5,
+        "check_quorum": False,
+        "pre_vote": False,
+        "election_ticks": 4,
+        "lease_drift_ticks": 1,
+        "max_delay": 1500,
+        "drop_rate": 0.1,
+        "membership": False,
+    },
+}
+
+
+def mixed_config(
+    seed: int, steps: int, faults: frozenset[str] = frozenset(), profile: str = "mixed"
+) -> SimConfig:
+    """The standard mix: 3 or 5 voters, sometimes learners, every fault kind,
+    then the named profile's emphasis on top."""
     r = random.Random(seed ^ 0x5EED)
-    voters = r.choice([3, 3, 5])
-    learners = r.choice([0, 0, 1, 2])
-    return SimConfig(
-        voters=voters,
-        learners=learners,
+    cfg = SimConfig(
+        voters=r.choice([3, 3, 5]),
+        learners=r.choice([0, 0, 1, 2]),
         steps=steps,
         faults=faults,
         check_quorum=r.random() < 0.8,
         max_msg_bytes=r.choice([64, 256, 4096]),
         mixed=True,
     )
+    return dataclasses.replace(cfg, profile=profile, **PROFILES[profile])
 
 
 Progress = Callable[[str], None]

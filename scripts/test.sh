@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The project's test command: set up .venv, lint, type-check, run every test
+# (unit, simulation, integration with real processes), then a 300-seed
+# simulation sweep. CI (.ci/run) runs exactly this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+echo "==> ruff"
+.venv/bin/ruff check .
+echo "==> mypy --strict dledger"
+.venv/bin/mypy --strict dledger
+echo "==> pytest"
+.venv/bin/python -m pytest -p no:cacheprovider "$@"
+echo "==> simulation sweep: 300 seeds, 3- and 5-voter mixes with learners and every fault kind"
+.venv/bin/python -m dledger.sim --seeds 300 --steps 5000 --first-seed 100001

@@ -11,6 +11,7 @@ import dataclasses
 import multiprocessing as mp
 import sys
 import time
+from typing import Any
 
 from dledger.sim.cluster import (
     ALL_FAULTS,
@@ -21,7 +22,7 @@ from dledger.sim.cluster import (
     mixed_config,
 )
 
-Job = tuple[int, int, int | None, int, frozenset[str], dict[str, object], str]
+Job = tuple[int, int, int | None, int, frozenset[str], dict[str, Any], str]
 
 
 def _one(args: Job) -> tuple[int, int, str, str]:
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     faults = frozenset(a.fault)
     seeds = [a.seed] if a.seed is not None else list(range(a.first_seed, a.first_seed + a.seeds))
-    overrides: dict[str, object] = {}
+    overrides: dict[str, Any] = {}
     if a.no_membership:
         overrides["membership"] = False
     if a.no_check_quorum:

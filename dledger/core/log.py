@@ -132,9 +132,7 @@ class RaftLog:
         if index <= self.committed:
             return False
         if index > self.last_index():
-            raise InvariantViolation(
-                f"commit {index} beyond the last index {self.last_index()}"
-            )
+            raise InvariantViolation(f"commit {index} beyond the last index {self.last_index()}")
         self.committed = index
         return True
 

@@ -200,9 +200,7 @@ class RawNode:
                 # new term, or with pre-vote it could wait forever.
                 self._send(Message(MsgType.APP_RESP, m.frm, self.id, self.term))
             elif m.type is MsgType.PRE_VOTE:
-                self._send(
-                    Message(MsgType.PRE_VOTE_RESP, m.frm, self.id, self.term, reject=True)
-                )
+                self._send(Message(MsgType.PRE_VOTE_RESP, m.frm, self.id, self.term, reject=True))
             return
 
         if m.type in (MsgType.VOTE, MsgType.PRE_VOTE):
@@ -369,9 +367,7 @@ class RawNode:
 
     def status(self) -> Status:
         peers = {
-            pid: PeerStatus(
-                pr.match, pr.next, pr.state.name, pr.is_learner, pr.recent_active
-            )
+            pid: PeerStatus(pr.match, pr.next, pr.state.name, pr.is_learner, pr.recent_active)
             for pid, pr in sorted(self._progress.items())
         }
         return Status(
@@ -705,9 +701,7 @@ class RawNode:
         if self.role is not Role.LEADER:
             raise NotLeader(self.lead)
         if self._transferee != NONE:
-            raise TransferInProgress(
-                f"leadership is being transferred to node {self._transferee}"
-            )
+            raise TransferInProgress(f"leadership is being transferred to node {self._transferee}")
         idx = self._append_entry(etype, data)
         self._pending_bcast = True
         return idx

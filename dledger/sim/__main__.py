@@ -47,12 +47,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="run this one seed")
     ap.add_argument("--first-seed", type=int, default=1)
     ap.add_argument("--steps", type=int, default=5000, help="faulty steps per seed")
-    ap.add_argument("--voters", type=int, default=None, help="fix the voter count (default: mix of 3 and 5)")
+    ap.add_argument(
+        "--voters", type=int, default=None, help="fix the voter count (default: mix of 3 and 5)"
+    )
     ap.add_argument("--learners", type=int, default=0)
-    ap.add_argument("--fault", action="append", default=[], choices=sorted(ALL_FAULTS),
-                    help="break the protocol on purpose (checker self-test)")
-    ap.add_argument("--profile", default="mixed", choices=sorted(PROFILES),
-                    help="nemesis emphasis on top of the standard mix")
+    ap.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        choices=sorted(ALL_FAULTS),
+        help="break the protocol on purpose (checker self-test)",
+    )
+    ap.add_argument(
+        "--profile",
+        default="mixed",
+        choices=sorted(PROFILES),
+        help="nemesis emphasis on top of the standard mix",
+    )
     ap.add_argument("--no-membership", action="store_true")
     ap.add_argument("--no-check-quorum", action="store_true", help="no stickiness or lease")
     ap.add_argument("--jobs", type=int, default=mp.cpu_count())
@@ -86,8 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         if now - last_print > 5 or done == len(jobs) or len(jobs) == 1:
             last_print = now
             rate = total_steps / max(now - t0, 1e-9)
-            print(f"[{done}/{len(jobs)} seeds] {total_steps} steps, {rate:,.0f} steps/s, "
-                  f"{len(failures)} violation(s)", flush=True)
+            print(
+                f"[{done}/{len(jobs)} seeds] {total_steps} steps, {rate:,.0f} steps/s, "
+                f"{len(failures)} violation(s)",
+                flush=True,
+            )
         if len(jobs) == 1 and verdict == "ok":
             print(f"seed {seed}: ok, trace hash {detail}")
 
@@ -99,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         for j in jobs:
             report(_one(j))
     elapsed = time.monotonic() - t0
-    print(f"done: {len(jobs)} seeds, {total_steps} steps in {elapsed:.1f}s "
-          f"({total_steps / max(elapsed, 1e-9):,.0f} steps/s), {len(failures)} violation(s)")
+    print(
+        f"done: {len(jobs)} seeds, {total_steps} steps in {elapsed:.1f}s "
+        f"({total_steps / max(elapsed, 1e-9):,.0f} steps/s), {len(failures)} violation(s)"
+    )
     return 1 if failures else 0
 
 

@@ -206,7 +206,9 @@ class Simulation:
         self.nodes[nid] = _Node(raft, st)
         self.incarnation[nid] = self.incarnation.get(nid, 0) + 1
         # Ticks carry the incarnation: a chain left from before a crash dies.
-        self._at(self.now + self.rng.randrange(1, self.period[nid]), "tick", (nid, self.incarnation[nid]))
+        self._at(
+            self.now + self.rng.randrange(1, self.period[nid]), "tick", (nid, self.incarnation[nid])
+        )
 
     # ------------------------------------------------------------------ events
     def _at(self, t: int, kind: str, payload: Any) -> None:
@@ -313,9 +315,11 @@ class Simulation:
                 return
             for m in rd.messages:
                 self._send(m)
-            if self.faulty and any(
-                m.type is MsgType.VOTE_RESP and not m.reject for m in rd.messages
-            ) and self.rng.random() < self.cfg.crash_after_vote_rate:
+            if (
+                self.faulty
+                and any(m.type is MsgType.VOTE_RESP and not m.reject for m in rd.messages)
+                and self.rng.random() < self.cfg.crash_after_vote_rate
+            ):
                 self._crash(nid, "crash-after-vote", fast=True)
                 return
             self._apply(nid, n, rd)
@@ -409,7 +413,9 @@ class Simulation:
                 self.leader_commits[c] = term
                 self._check_commit_safe(nid, c, term, r.config.voters)
             elif self.leader_commits.get(c, term) != term:
-                self.fail(f"node {nid} committed {c}@t{term}; a leader committed another term there")
+                self.fail(
+                    f"node {nid} committed {c}@t{term}; a leader committed another term there"
+                )
             n.commit_seen = c
             if c > self.max_commit:
                 self.max_commit = c
@@ -465,7 +471,9 @@ class Simulation:
                 )
 
     def _durable_on_quorum(self, index: int, term: int, voters: tuple[int, ...]) -> bool:
-        held = sum(1 for v in voters if v in self.storages and self.storages[v].durable_term(index) == term)
+        held = sum(
+            1 for v in voters if v in self.storages and self.storages[v].durable_term(index) == term
+        )
         return held >= len(voters) // 2 + 1
 
     def _check_log_matching(self, nid: int, n: _Node, rd: Ready) -> None:
@@ -613,7 +621,9 @@ class Simulation:
         if x < c.crash_rate:
             live = sorted(self.nodes)
             if live:
-                target = self._leader() if rng.random() < 0.4 and self._leader() else rng.choice(live)
+                target = (
+                    self._leader() if rng.random() < 0.4 and self._leader() else rng.choice(live)
+                )
                 self._crash(target, "crash")
             return
         x -= c.crash_rate
@@ -624,7 +634,9 @@ class Simulation:
         if x < c.pause_rate:
             live = [n for n in sorted(self.nodes) if not self.nodes[n].paused]
             if live:
-                target = self._leader() if rng.random() < 0.5 and self._leader() else rng.choice(live)
+                target = (
+                    self._leader() if rng.random() < 0.5 and self._leader() else rng.choice(live)
+                )
                 self.nodes[target].paused = True
                 self.stats["pauses"] += 1
                 self._trace(f"pause n{target}")
@@ -741,7 +753,11 @@ class Simulation:
             ):
                 return
         state = {
-            m: (self.nodes[m].raft.role.name, self.nodes[m].raft.term, self.nodes[m].raft.log.applied)
+            m: (
+                self.nodes[m].raft.role.name,
+                self.nodes[m].raft.term,
+                self.nodes[m].raft.log.applied,
+            )
             for m in sorted(self.nodes)
         }
         self.fail(f"liveness: no leader or replicas did not converge after healing: {state}")

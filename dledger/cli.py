@@ -1,0 +1,298 @@
+"""``dledger``: run one node, or a whole local cluster.
+
+    dledger node --cluster FILE --id ID [--secret S] [--log-level info]
+    dledger cluster up [--nodes 3|5] [--learners K] [--dir DIR] [--secret S]
+    dledger cluster status [--dir DIR] [--json]
+    dledger cluster down [--dir DIR]
+    dledger cluster kill ID [--signal KILL|TERM|STOP|CONT] [--dir DIR]
+    dledger cluster restart ID [--dir DIR]
+
+Exit codes: 0 ok; 1 failure (a port in use, no leader in time, ...);
+2 operator action needed: a bad cluster file or command line, or a damaged
+data directory (``StorageCorrupted``: the message names the directory and
+the log index; rebuild that replica from a healthy peer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import secrets
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from dledger.admin_http import AdminServer
+from dledger.cluster import DEFAULT_DIR, LocalCluster
+from dledger.config import NodeConfig, load_cluster_file
+from dledger.errors import ConfigError, StorageCorrupted
+from dledger.node import Node
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_OPERATOR = 2  # bad configuration or damaged data: a human must act
+
+logger = logging.getLogger("dledger")
+
+
+def _setup_logging(level: str, node_id: int) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format=f"%(asctime)s.%(msecs)03d %(levelname)-7s n{node_id} %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+# ---------------------------------------------------------------------------
+# dledger node
+
+
+async def run_node(cfg: NodeConfig) -> int:
+    """Run one node until SIGTERM/SIGINT or a fatal error; returns the exit code."""
+    node = Node(cfg)
+    try:
+        await node.start()
+    except (StorageCorrupted, ConfigError) as exc:
+        logger.critical("refusing to start: %s", exc)
+        return EXIT_OPERATOR
+    except OSError as exc:
+        logger.critical("cannot listen on raft %s:%d: %s", cfg.raft_host, cfg.raft_port, exc)
+        return EXIT_FAILURE
+    server = AdminServer(node)
+    try:
+        await server.start()
+    except OSError as exc:
+        logger.critical("cannot listen on http %s:%d: %s", cfg.http_host, cfg.http_port, exc)
+        await node.stop()
+        return EXIT_FAILURE
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    logger.info(
+        "node %d of cluster %r: raft on %s:%d, http on %s:%d, voters %s, learners %s",
+        cfg.node_id,
+        cfg.cluster_id,
+        cfg.raft_host,
+        cfg.raft_port,
+        cfg.http_host,
+        cfg.http_port,
+        list(cfg.voters()),
+        list(cfg.learners()),
+    )
+    stop_wait = loop.create_task(stop.wait())
+    fail_wait = loop.create_task(node.failed.wait())
+    await asyncio.wait({stop_wait, fail_wait}, return_when=asyncio.FIRST_COMPLETED)
+    stop_wait.cancel()
+    fail_wait.cancel()
+    if stop.is_set():
+        logger.info("signal received: stopping")
+    await node.stop()
+    await server.stop()
+    if node.fatal is not None:
+        # The node logged the cause when its loop stopped.
+        code = EXIT_OPERATOR if isinstance(node.fatal, StorageCorrupted) else EXIT_FAILURE
+        logger.info("exiting with code %d", code)
+        return code
+    return EXIT_OK
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_cluster_file(args.cluster).node_config(args.id, secret=args.secret)
+    except ConfigError as exc:
+        print(f"dledger node: {exc}", file=sys.stderr)
+        return EXIT_OPERATOR
+    _setup_logging(args.log_level, cfg.node_id)
+    return asyncio.run(run_node(cfg))
+
+
+# ---------------------------------------------------------------------------
+# dledger cluster ...
+
+
+def _print_members(lc: LocalCluster) -> None:
+    for m in lc.spec.members:
+        pid = lc.pid(m.id)
+        print(
+            f"  node {m.id}  {m.role:<7}  raft {m.raft_address:<21}  http {m.http_address:<21}  "
+            f"pid {pid if pid else '-':<7}  log {lc.log_path(m.id)}"
+        )
+
+
+def cmd_cluster_up(args: argparse.Namespace) -> int:
+    lc = LocalCluster(args.dir)
+    if lc.cluster_path.exists():
+        spec = lc.spec
+        voters = sum(1 for m in spec.members if m.role == "voter")
+        learners = len(spec.members) - voters
+        if (args.nodes is not None and args.nodes != voters) or (
+            args.learners is not None and args.learners != learners
+        ):
+            print(
+                f"dledger cluster up: {lc.cluster_path} already describes {voters} voters and "
+                f"{learners} learners; use another --dir or `dledger cluster down` and remove it",
+                file=sys.stderr,
+            )
+            return EXIT_OPERATOR
+        print(f"cluster {spec.cluster_id!r} in {lc.dir} (existing cluster file)")
+    else:
+        secret = args.secret if args.secret is not None else secrets.token_hex(16)
+        lc = LocalCluster.create(
+            args.dir,
+            voters=args.nodes if args.nodes is not None else 3,
+            learners=args.learners or 0,
+            secret=secret,
+        )
+        print(f"cluster {lc.spec.cluster_id!r} in {lc.dir} (new cluster file {lc.cluster_path})")
+    started = [nid for nid in lc.ids() if not lc.running(nid)]
+    for nid in started:
+        lc.start(nid)
+    try:
+        leader = lc.wait_leader(args.timeout)
+    except TimeoutError as exc:
+        print(f"dledger cluster up: {exc}", file=sys.stderr)
+        for nid in lc.ids():
+            if not lc.running(nid):
+                print(
+                    f"node {nid} is not running; its log ends with:\n{lc.log_tail(nid)}",
+                    file=sys.stderr,
+                )
+        return EXIT_FAILURE
+    _print_members(lc)
+    st = lc.status(leader) or {}
+    print(f"leader: node {leader} (http {lc.http(leader)}), term {st.get('term')}")
+    return EXIT_OK
+
+
+def cmd_cluster_status(args: argparse.Namespace) -> int:
+    lc = LocalCluster(args.dir)
+    statuses: dict[int, dict[str, Any] | None] = {nid: lc.status(nid) for nid in lc.ids()}
+    if args.json:
+        sys.stdout.write(orjson.dumps({str(k): v for k, v in statuses.items()}).decode() + "\n")
+        return EXIT_OK if any(statuses.values()) else EXIT_FAILURE
+    print(f"cluster {lc.spec.cluster_id!r} in {lc.dir}")
+    print(
+        f"  {'id':>3} {'role':<10} {'pid':>7} {'term':>5} {'leader':>6} {'commit':>8} "
+        f"{'applied':>8} {'last':>8}  http"
+    )
+    for m in lc.spec.members:
+        st = statuses[m.id]
+        pid = lc.pid(m.id) or "-"
+        if st is None:
+            state = "down" if pid == "-" else "no answer"
+            print(
+                f"  {m.id:>3} {state:<10} {pid:>7} {'':>5} {'':>6} {'':>8} {'':>8} {'':>8}  "
+                f"{m.http_address}"
+            )
+            continue
+        print(
+            f"  {m.id:>3} {st['role']:<10} {pid:>7} {st['term']:>5} {st['leader'] or '-':>6} "
+            f"{st['commit']:>8} {st['applied']:>8} {st['last_index']:>8}  {m.http_address}"
+        )
+    return EXIT_OK if any(statuses.values()) else EXIT_FAILURE
+
+
+def cmd_cluster_down(args: argparse.Namespace) -> int:
+    lc = LocalCluster(args.dir)
+    for nid, how in lc.down(args.timeout).items():
+        print(f"node {nid}: {how}")
+    return EXIT_OK
+
+
+def cmd_cluster_kill(args: argparse.Namespace) -> int:
+    lc = LocalCluster(args.dir)
+    sig = signal.Signals[f"SIG{args.signal.upper().removeprefix('SIG')}"]
+    lc.member(args.id)
+    if not lc.kill(args.id, sig):
+        print(f"node {args.id} is not running", file=sys.stderr)
+        return EXIT_FAILURE
+    print(f"node {args.id}: sent {sig.name}")
+    return EXIT_OK
+
+
+def cmd_cluster_restart(args: argparse.Namespace) -> int:
+    lc = LocalCluster(args.dir)
+    lc.member(args.id)
+    how = lc.stop(args.id, args.timeout)
+    lc.start(args.id)
+    try:
+        lc.wait_http(args.id, args.timeout)
+    except (TimeoutError, RuntimeError) as exc:
+        print(f"dledger cluster restart: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(f"node {args.id}: {how}, started again (pid {lc.pid(args.id)})")
+    return EXIT_OK
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dledger", description="DLedger-py replicated commit log")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    node = sub.add_parser("node", help="run one node in the foreground")
+    node.add_argument("--cluster", required=True, help="the cluster file (TOML)")
+    node.add_argument("--id", type=int, required=True, help="this node's member id")
+    node.add_argument("--secret", help="override the cluster file's secret")
+    node.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    node.set_defaults(func=cmd_node)
+
+    cl = sub.add_parser("cluster", help="manage a local multi-process cluster")
+    csub = cl.add_subparsers(dest="cluster_command", required=True)
+
+    def with_dir(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        sp.add_argument(
+            "--dir", default=DEFAULT_DIR, help=f"cluster directory (default {DEFAULT_DIR})"
+        )
+        sp.add_argument("--timeout", type=float, default=30.0, help="seconds to wait")
+        return sp
+
+    up = with_dir(csub.add_parser("up", help="create (or reuse) a cluster and start every node"))
+    up.add_argument("--nodes", type=int, choices=[1, 3, 5, 7], help="voters (default 3)")
+    up.add_argument("--learners", type=int, help="non-voting replicas (default 0)")
+    up.add_argument("--secret", help="peer authentication secret (default: a random one)")
+    up.set_defaults(func=cmd_cluster_up)
+
+    st = with_dir(csub.add_parser("status", help="ask every node for its Raft status"))
+    st.add_argument("--json", action="store_true", help="print the raw status documents")
+    st.set_defaults(func=cmd_cluster_status)
+
+    with_dir(csub.add_parser("down", help="stop every node (SIGTERM, then SIGKILL)")).set_defaults(
+        func=cmd_cluster_down
+    )
+
+    k = with_dir(csub.add_parser("kill", help="signal one node (default SIGKILL)"))
+    k.add_argument("id", type=int)
+    k.add_argument("--signal", default="KILL", choices=["KILL", "TERM", "STOP", "CONT", "INT"])
+    k.set_defaults(func=cmd_cluster_kill)
+
+    r = with_dir(csub.add_parser("restart", help="stop one node (if running) and start it"))
+    r.add_argument("id", type=int)
+    r.set_defaults(func=cmd_cluster_restart)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "cluster":
+        _setup_logging("warning", 0)
+    try:
+        code: int = args.func(args)
+    except ConfigError as exc:
+        print(f"dledger: {exc}", file=sys.stderr)
+        return EXIT_OPERATOR
+    except KeyboardInterrupt:
+        return EXIT_FAILURE
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

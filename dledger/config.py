@@ -1,0 +1,485 @@
+"""Node configuration and the cluster file.
+
+Theory of operation
+-------------------
+A :class:`NodeConfig` is everything one node process needs: its identity,
+its two listen addresses, its data directory, the cluster secret, the
+address book of every member (so membership changes can reach them) and the
+runtime tunables. Time is configured as a tick length (``tick_ms``) and Raft
+timeouts in ticks, exactly as :class:`dledger.core.types.RaftConfig` takes
+them; units are the last word of every name.
+
+The cluster file names every member once, so the same file starts a local
+cluster or deploys the nodes on different machines::
+
+    [cluster]
+    id = "local"
+    secret = "..."                 # optional: HMAC-authenticated peer links
+
+    [node]                         # optional: tunables shared by every member
+    tick_ms = 20
+    election_ticks = 15
+
+    [[members]]
+    id = 1
+    raft = "127.0.0.1:7001"
+    http = "127.0.0.1:8001"
+    role = "voter"                 # or "learner"
+    data_dir = "node-1"            # relative to the cluster file's directory
+
+It is read with :mod:`tomllib` and written by the small emitter below (no
+extra dependency). Every problem is a :class:`ConfigError` that names the
+offending field (``members[2].raft: ...``), never a ``KeyError``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Literal, cast
+
+from dledger.core.types import ClusterConfig, RaftConfig
+from dledger.errors import ConfigError
+from dledger.transport.frames import DEFAULT_MAX_FRAME_SIZE
+
+Role = Literal["voter", "learner"]
+FlushMode = Literal["sync", "async"]
+VerifyMode = Literal["tail", "full"]
+
+_MAX_CLUSTER_ID_BYTES = 255  # what the transport handshake can carry
+
+
+@dataclass(frozen=True, slots=True)
+class MemberSpec:
+    """One member of the cluster file. ``data_dir`` is as written (it may be
+    relative to the cluster file's directory)."""
+
+    id: int
+    raft_host: str
+    raft_port: int
+    http_host: str
+    http_port: int
+    role: Role = "voter"
+    data_dir: str = ""
+
+    @property
+    def raft_address(self) -> str:
+        return f"{self.raft_host}:{self.raft_port}"
+
+    @property
+    def http_address(self) -> str:
+        return f"{self.http_host}:{self.http_port}"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """What one node process runs with. ``validate()`` raises ConfigError."""
+
+    node_id: int
+    cluster_id: str
+    raft_host: str
+    raft_port: int
+    http_host: str
+    http_port: int
+    data_dir: str
+    secret: str | None = None
+    # Every known member (the address book); empty means a one-node cluster.
+    members: tuple[MemberSpec, ...] = ()
+    # Time: one tick of the Raft core, and Raft timeouts in ticks.
+    tick_ms: int = 20
+    election_ticks: int = 15
+    heartbeat_ticks: int = 2
+    lease_drift_ticks: int = 3
+    # Durability: "sync" fsyncs every group commit; "async" fsyncs every
+    # flush_interval_ms and loses acknowledged writes if a majority loses power.
+    flush: FlushMode = "sync"
+    flush_interval_ms: int = 200
+    # Back-pressure and sizes.
+    max_inflight_proposals: int = 10000
+    max_inflight_msgs: int = 256
+    max_msg_bytes: int = 1 << 20
+    max_entry_bytes: int = 4 << 20
+    max_apply_bytes: int = 8 << 20
+    max_inbox_msgs: int = 100_000
+    transfer_max_lag: int = 1024
+    # Storage.
+    map_size_bytes: int = 256 << 20
+    verify: VerifyMode = "tail"
+    verify_tail_entries: int = 1024
+    # HTTP: how long a proposal or read waits for its answer by default.
+    request_timeout_ms: int = 10_000
+
+    # -- derived -------------------------------------------------------------
+    @property
+    def election_timeout_ms(self) -> int:
+        return self.election_ticks * self.tick_ms
+
+    @property
+    def secret_bytes(self) -> bytes | None:
+        return self.secret.encode("utf-8") if self.secret is not None else None
+
+    def voters(self) -> tuple[int, ...]:
+        if not self.members:
+            return (self.node_id,)
+        return tuple(sorted(m.id for m in self.members if m.role == "voter"))
+
+    def learners(self) -> tuple[int, ...]:
+        return tuple(sorted(m.id for m in self.members if m.role == "learner"))
+
+    def member(self, node_id: int) -> MemberSpec | None:
+        for m in self.members:
+            if m.id == node_id:
+                return m
+        return None
+
+    def raft_config(self) -> RaftConfig:
+        return RaftConfig(
+            node_id=self.node_id,
+            peers=ClusterConfig(self.voters(), self.learners()),
+            election_ticks=self.election_ticks,
+            heartbeat_ticks=self.heartbeat_ticks,
+            lease_drift_ticks=self.lease_drift_ticks,
+            max_inflight_msgs=self.max_inflight_msgs,
+            max_msg_bytes=self.max_msg_bytes,
+            max_apply_bytes=self.max_apply_bytes,
+            transfer_max_lag=self.transfer_max_lag,
+        )
+
+    def validate(self) -> None:
+        if self.node_id < 1:
+            raise ConfigError(f"node_id must be >= 1, got {self.node_id}")
+        if not self.cluster_id or len(self.cluster_id.encode("utf-8")) > _MAX_CLUSTER_ID_BYTES:
+            raise ConfigError(f"cluster_id must be 1..{_MAX_CLUSTER_ID_BYTES} UTF-8 bytes")
+        for name in ("raft_port", "http_port"):
+            port = getattr(self, name)
+            if not 1 <= port <= 65535:
+                raise ConfigError(f"{name} must be within 1..65535, got {port}")
+        if (self.raft_host, self.raft_port) == (self.http_host, self.http_port):
+            raise ConfigError("raft and http must listen on different addresses")
+        if not self.data_dir:
+            raise ConfigError("data_dir must be set")
+        if self.secret is not None and not self.secret:
+            raise ConfigError("secret must be omitted (no authentication) or non-empty")
+        for name in (
+            "tick_ms",
+            "flush_interval_ms",
+            "max_inflight_proposals",
+            "max_inflight_msgs",
+            "max_msg_bytes",
+            "max_entry_bytes",
+            "max_apply_bytes",
+            "max_inbox_msgs",
+            "verify_tail_entries",
+            "request_timeout_ms",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_msg_bytes + self.max_entry_bytes + (1 << 20) > DEFAULT_MAX_FRAME_SIZE:
+            # One append message carries up to max_msg_bytes plus one entry.
+            raise ConfigError(
+                "max_msg_bytes + max_entry_bytes must stay 1 MiB under the transport's "
+                f"{DEFAULT_MAX_FRAME_SIZE}-byte frame limit"
+            )
+        if self.map_size_bytes < 1 << 16:
+            raise ConfigError(f"map_size_bytes must be >= 65536, got {self.map_size_bytes}")
+        if self.flush not in ("sync", "async"):
+            raise ConfigError(f"flush must be 'sync' or 'async', got {self.flush!r}")
+        if self.verify not in ("tail", "full"):
+            raise ConfigError(f"verify must be 'tail' or 'full', got {self.verify!r}")
+        ids = [m.id for m in self.members]
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"members: duplicate ids in {sorted(ids)}")
+        if self.members and self.member(self.node_id) is None:
+            raise ConfigError(f"node_id {self.node_id} is not a member (members: {sorted(ids)})")
+        if self.members and not self.voters():
+            raise ConfigError("members: at least one member must be a voter")
+        try:
+            self.raft_config().validate()
+        except ConfigError as exc:
+            raise ConfigError(f"raft timing: {exc}") from None
+
+
+# Tunables a cluster file may set in its [node] table: every NodeConfig field
+# that is not identity, address book or secret.
+_IDENTITY = frozenset(
+    {
+        "node_id",
+        "cluster_id",
+        "raft_host",
+        "raft_port",
+        "http_host",
+        "http_port",
+        "data_dir",
+        "secret",
+        "members",
+    }
+)
+TUNABLES: dict[str, object] = {
+    f.name: f.default for f in fields(NodeConfig) if f.name not in _IDENTITY
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterFile:
+    """A parsed cluster file. ``base_dir`` resolves relative data dirs."""
+
+    cluster_id: str
+    members: tuple[MemberSpec, ...]
+    secret: str | None = None
+    settings: tuple[tuple[str, object], ...] = ()
+    base_dir: str = "."
+
+    def member(self, node_id: int) -> MemberSpec:
+        for m in self.members:
+            if m.id == node_id:
+                return m
+        raise ConfigError(
+            f"node {node_id} is not in the cluster file "
+            f"(members: {', '.join(str(m.id) for m in self.members)})"
+        )
+
+    def data_dir(self, node_id: int) -> str:
+        d = self.member(node_id).data_dir or f"node-{node_id}"
+        return d if os.path.isabs(d) else os.path.normpath(os.path.join(self.base_dir, d))
+
+    def node_config(self, node_id: int, *, secret: str | None = None) -> NodeConfig:
+        """The config of member ``node_id``; ``secret`` overrides the file's."""
+        m = self.member(node_id)
+        members = tuple(replace(x, data_dir=self.data_dir(x.id)) for x in self.members)
+        cfg = NodeConfig(
+            node_id=node_id,
+            cluster_id=self.cluster_id,
+            raft_host=m.raft_host,
+            raft_port=m.raft_port,
+            http_host=m.http_host,
+            http_port=m.http_port,
+            data_dir=self.data_dir(node_id),
+            secret=secret if secret is not None else self.secret,
+            members=members,
+        )
+        cfg = replace(cfg, **dict(self.settings))  # type: ignore[arg-type]
+        cfg.validate()
+        return cfg
+
+
+# ---------------------------------------------------------------------------
+# reading
+
+
+def _parse_hostport(where: str, value: object) -> tuple[str, int]:
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: expected a 'host:port' string, got {value!r}")
+    host, sep, port_s = value.rpartition(":")
+    if not sep or not host or not port_s.isdigit():
+        raise ConfigError(f"{where}: expected 'host:port', got {value!r}")
+    port = int(port_s)
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"{where}: port must be within 1..65535, got {port}")
+    return host.strip("[]"), port
+
+
+def _table(where: str, value: object) -> dict[str, object]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a table, got {type(value).__name__}")
+    return cast(dict[str, object], value)
+
+
+def _check_keys(where: str, table: Mapping[str, object], allowed: set[str]) -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})"
+        )
+
+
+def _parse_member(k: int, raw: object) -> MemberSpec:
+    where = f"members[{k}]"
+    t = _table(where, raw)
+    _check_keys(where, t, {"id", "raft", "http", "role", "data_dir"})
+    for key in ("id", "raft", "http"):
+        if key not in t:
+            raise ConfigError(f"{where}.{key} is missing")
+    nid = t["id"]
+    if not isinstance(nid, int) or isinstance(nid, bool) or nid < 1:
+        raise ConfigError(f"{where}.id must be an integer >= 1, got {nid!r}")
+    raft_host, raft_port = _parse_hostport(f"{where}.raft", t["raft"])
+    http_host, http_port = _parse_hostport(f"{where}.http", t["http"])
+    role = t.get("role", "voter")
+    if role not in ("voter", "learner"):
+        raise ConfigError(f"{where}.role must be 'voter' or 'learner', got {role!r}")
+    data_dir = t.get("data_dir", f"node-{nid}")
+    if not isinstance(data_dir, str) or not data_dir:
+        raise ConfigError(f"{where}.data_dir must be a non-empty string, got {data_dir!r}")
+    return MemberSpec(nid, raft_host, raft_port, http_host, http_port, role, data_dir)
+
+
+def _parse_settings(raw: object) -> tuple[tuple[str, object], ...]:
+    t = _table("node", raw)
+    _check_keys("node", t, set(TUNABLES))
+    out: list[tuple[str, object]] = []
+    for key, value in sorted(t.items()):
+        default = TUNABLES[key]
+        if isinstance(default, int) and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ConfigError(f"node.{key} must be an integer, got {value!r}")
+        if isinstance(default, str) and not isinstance(value, str):
+            raise ConfigError(f"node.{key} must be a string, got {value!r}")
+        out.append((key, value))
+    return tuple(out)
+
+
+def parse_cluster_file(doc: Mapping[str, object], base_dir: str = ".") -> ClusterFile:
+    """Validate a decoded cluster file (see the module docstring)."""
+    _check_keys("cluster file", doc, {"cluster", "node", "members"})
+    if "cluster" not in doc:
+        raise ConfigError("[cluster] table is missing")
+    cl = _table("cluster", doc["cluster"])
+    _check_keys("cluster", cl, {"id", "secret"})
+    cid = cl.get("id")
+    if not isinstance(cid, str) or not cid:
+        raise ConfigError(f"cluster.id must be a non-empty string, got {cid!r}")
+    if len(cid.encode("utf-8")) > _MAX_CLUSTER_ID_BYTES:
+        raise ConfigError(f"cluster.id must be at most {_MAX_CLUSTER_ID_BYTES} UTF-8 bytes")
+    secret = cl.get("secret")
+    if secret is not None and (not isinstance(secret, str) or not secret):
+        raise ConfigError("cluster.secret must be a non-empty string when present")
+    raw_members = doc.get("members")
+    if not isinstance(raw_members, list) or not raw_members:
+        raise ConfigError("[[members]] is missing: the cluster file must list every member")
+    members = tuple(_parse_member(k, m) for k, m in enumerate(raw_members))
+    seen: dict[int, int] = {}
+    addrs: dict[tuple[str, int], str] = {}
+    for k, m in enumerate(members):
+        if m.id in seen:
+            raise ConfigError(f"members[{k}].id: {m.id} is already used by members[{seen[m.id]}]")
+        seen[m.id] = k
+        for what, addr in (
+            ("raft", (m.raft_host, m.raft_port)),
+            ("http", (m.http_host, m.http_port)),
+        ):
+            if addr in addrs:
+                raise ConfigError(
+                    f"members[{k}].{what}: {addr[0]}:{addr[1]} is already used by {addrs[addr]}"
+                )
+            addrs[addr] = f"members[{k}].{what}"
+    if not any(m.role == "voter" for m in members):
+        raise ConfigError("members: at least one member must have role = 'voter'")
+    settings = _parse_settings(doc["node"]) if "node" in doc else ()
+    cf = ClusterFile(cid, members, secret, settings, base_dir)
+    # Catch bad tunables (e.g. election_ticks <= heartbeat_ticks) at load time.
+    cf.node_config(members[0].id)
+    return cf
+
+
+def load_cluster_file(path: str | os.PathLike[str]) -> ClusterFile:
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read cluster file {p}: {exc.strerror or exc}") from None
+    try:
+        doc = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cluster file {p} is not valid TOML: {exc}") from None
+    try:
+        return parse_cluster_file(doc, str(p.resolve().parent))
+    except ConfigError as exc:
+        raise ConfigError(f"cluster file {p}: {exc}") from None
+
+
+# ---------------------------------------------------------------------------
+# writing: a tiny TOML emitter for exactly the shapes above
+
+
+def _toml_str(s: str) -> str:
+    out = ['"']
+    for ch in s:
+        if ch == '"':
+            out.append('\\"')
+        elif ch == "\\":
+            out.append("\\\\")
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    out.append('"')
+    return "".join(out)
+
+
+def toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise ConfigError(f"cannot write non-finite float {v!r} to TOML")
+        return repr(v)
+    if isinstance(v, str):
+        return _toml_str(v)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    raise ConfigError(f"cannot write a {type(v).__name__} to TOML")
+
+
+def _toml_table(lines: list[str], header: str, items: Mapping[str, object]) -> None:
+    lines.append(header)
+    for key, value in items.items():
+        lines.append(f"{key} = {toml_value(value)}")
+    lines.append("")
+
+
+def dump_cluster_file(cf: ClusterFile) -> str:
+    lines = ["# dledger cluster file: every member, its addresses, role and data directory.", ""]
+    cluster: dict[str, object] = {"id": cf.cluster_id}
+    if cf.secret is not None:
+        cluster["secret"] = cf.secret
+    _toml_table(lines, "[cluster]", cluster)
+    if cf.settings:
+        _toml_table(lines, "[node]", dict(cf.settings))
+    for m in cf.members:
+        _toml_table(
+            lines,
+            "[[members]]",
+            {
+                "id": m.id,
+                "raft": m.raft_address,
+                "http": m.http_address,
+                "role": m.role,
+                "data_dir": m.data_dir or f"node-{m.id}",
+            },
+        )
+    return "\n".join(lines)
+
+
+def write_cluster_file(cf: ClusterFile, path: str | os.PathLike[str]) -> None:
+    """Write atomically, readable by the owner only (it may hold the secret)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(dump_cluster_file(cf))
+    os.replace(tmp, p)
+
+
+__all__ = [
+    "TUNABLES",
+    "ClusterFile",
+    "FlushMode",
+    "MemberSpec",
+    "NodeConfig",
+    "Role",
+    "dump_cluster_file",
+    "load_cluster_file",
+    "parse_cluster_file",
+    "toml_value",
+    "write_cluster_file",
+]

@@ -1,0 +1,878 @@
+"""The asyncio driver of one Raft node: ticks, persist-then-send-then-apply, futures.
+
+Theory of operation
+-------------------
+One task (the *loop*) owns the :class:`RawNode` and the storage. Everything
+else only queues work for it and wakes it:
+
+* the transport's ``on_message`` decodes the frame (a bad one is counted
+  and dropped) and appends the message to the inbox;
+* ``propose``/``read``/``transfer_leadership``/membership calls append a
+  closure to the op queue and await a future.
+
+Each turn of the loop does, in this order:
+
+a. **ticks**: ``elapsed // tick_ms`` on the monotonic clock minus the ticks
+   already done. A process that was stopped (SIGSTOP, a long GC, a loaded
+   machine) ticks the missed ones *before* it steps any message or serves
+   any read, so a leader whose lease ran out while it slept sees that first.
+   Past ``4 * election_ticks`` more ticks change nothing and are skipped
+   (counted in ``ticks_skipped``);
+b. **inputs**: every queued message is stepped, then every queued op runs
+   (``raft.propose`` etc.);
+c. **Ready**: while ``has_ready()``: take ``ready()``; append its entries and
+   save its hard state; if it must be durable, ONE ``storage.sync()`` runs in
+   a worker thread, and while it runs new messages and proposals only queue
+   up, so the next Ready carries them all and one fsync covers many
+   proposals (group commit); then the messages are sent; then committed
+   entries are applied to the state machine in order and their proposers'
+   futures resolved; then read states are answered; then ``advance()``.
+   Nothing calls a RawNode input between ``ready()`` and ``advance()``.
+
+Proposal outcomes
+-----------------
+A proposal's future is keyed by its log index and remembers the term it was
+proposed in. When that index is applied, the future gets ``(index, result)``
+if the applied entry has that term, and :class:`ProposalDropped` if another
+leader's entry took the slot. When this node stops being leader, every
+pending proposal fails with :class:`OutcomeUnknown`: it may still commit
+under the next leader, so the client must not treat it as failed.
+
+Durability
+----------
+Entries, votes and term changes are synced before any message that depends
+on them leaves (``Ready.must_sync``). A commit-index-only change of the hard
+state is written with the next sync (or at a clean stop) but does not cost
+an fsync of its own: a restarted node recomputes the commit index from its
+peers and the core clamps a saved one to its durable log anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import heapq
+import logging
+import os
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from dledger.config import NodeConfig
+from dledger.core.codec import decode_message, encode_message
+from dledger.core.raft import RawNode
+from dledger.core.types import (
+    NONE,
+    ClusterConfig,
+    ConfChange,
+    ConfChangeType,
+    EntryType,
+    Message,
+    ReadMode,
+    Ready,
+    Role,
+    SoftState,
+)
+from dledger.errors import (
+    CodecError,
+    ConfigError,
+    DLedgerError,
+    NotLeader,
+    Overloaded,
+    ProposalDropped,
+    TransferInProgress,
+)
+from dledger.statemachine import LogStateMachine, StateMachine
+from dledger.storage.lmdb_store import LmdbStorage
+from dledger.transport.tcp import TcpTransport
+
+logger = logging.getLogger(__name__)
+
+Consistency = Literal["committed", "linearizable"]
+
+# Catch-up ticks beyond this many election timeouts have no further effect:
+# the lease has expired and every timer has fired at least once.
+_MAX_CATCH_UP_ELECTIONS = 4
+_STOP_TIMEOUT_S = 10.0
+
+
+class OutcomeUnknown(DLedgerError):
+    """The proposal reached the log but this node lost leadership (or stopped)
+    before it committed: it may or may not commit. Retrying may duplicate it."""
+
+    code = "OUTCOME_UNKNOWN"
+
+
+class NodeStopped(DLedgerError):
+    """The node is not running (not started, stopping, or failed)."""
+
+    code = "NODE_STOPPED"
+
+
+class EntryTooLarge(DLedgerError):
+    code = "ENTRY_TOO_LARGE"
+
+
+class TransferFailed(DLedgerError):
+    """A leadership transfer was refused or did not complete in time."""
+
+    code = "TRANSFER_FAILED"
+
+
+class UnknownMember(ConfigError):
+    """The node id is not in the cluster file, so nobody knows its address."""
+
+    code = "UNKNOWN_MEMBER"
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """A proposal that committed and was applied: its slot and the state
+    machine's answer."""
+
+    index: int
+    term: int
+    result: object
+
+
+@dataclass(frozen=True, slots=True)
+class ReadResult:
+    """State applied up to ``index`` may be read. ``mode``: ``lease`` or
+    ``read_index`` (linearizable, on the leader) or ``local`` (committed)."""
+
+    index: int
+    applied: int
+    mode: str
+
+
+@dataclass(slots=True)
+class _Pending:
+    term: int
+    future: asyncio.Future[Any]
+    conf: bool
+
+
+def _lock_data_dir(data_dir: str) -> int:
+    """Take an exclusive lock on ``data_dir`` for this process's lifetime.
+
+    LMDB lets several processes open one environment; two nodes writing one
+    log would destroy it, so a second node on the same directory is refused."""
+    os.makedirs(data_dir, exist_ok=True)
+    path = os.path.join(data_dir, "node.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ConfigError(
+            f"data directory {data_dir} is in use by another node process (pid {holder})"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
+
+
+def _resolve(fut: asyncio.Future[Any], value: object) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+class Node:
+    """One node: storage, transport and the Raft loop. See the module docstring."""
+
+    def __init__(self, cfg: NodeConfig, state_machine: StateMachine | None = None) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.state_machine: StateMachine = state_machine or LogStateMachine()
+        self._storage: LmdbStorage | None = None
+        self._raft: RawNode | None = None
+        self._transport: TcpTransport | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._lock_fd: int | None = None
+        self._wake = asyncio.Event()
+        self._changed = asyncio.Event()  # replaced on every soft-state change
+        self._inbox: deque[Message] = deque()
+        self._ops: deque[tuple[asyncio.Future[Any], Callable[[], None]]] = deque()
+        self._queued_proposals = 0
+        self._pending: dict[int, _Pending] = {}
+        self._reads: dict[int, asyncio.Future[ReadResult]] = {}
+        self._parked_reads: list[tuple[int, int, str, asyncio.Future[ReadResult]]] = []
+        self._read_ctx = 0
+        self._role = Role.FOLLOWER
+        self._leader = NONE
+        self.applied = 0
+        self._running = False
+        self._stopping = False
+        self.fatal: BaseException | None = None
+        self.failed = asyncio.Event()  # set when the loop died on an error
+        self._t0 = 0.0
+        self._ticks = 0
+        self._last_flush_s = 0.0
+        self._peer_ids: tuple[int, ...] = ()
+        self._started_at = 0.0
+        self.counters: dict[str, int] = {
+            "ticks_skipped": 0,
+            "decode_errors": 0,
+            "misaddressed": 0,
+            "inbox_dropped": 0,
+            "send_refused": 0,
+            "readies": 0,
+            "syncs": 0,
+            "synced_entries": 0,
+            "applied_entries": 0,
+            "proposals_ok": 0,
+            "proposals_unknown": 0,
+            "proposals_dropped": 0,
+            "leader_changes": 0,
+        }
+        self._sync_s_total = 0.0
+        self._sync_s_max = 0.0
+        self._loop_lag_s_max = 0.0
+
+    # ======================================================================
+    # lifecycle
+    # ======================================================================
+    async def start(self) -> None:
+        """Open storage (raises StorageCorrupted on a damaged log), build the
+        Raft core, start the transport and the loop."""
+        if self._running or self._stopping:
+            raise RuntimeError("a Node can be started once")
+        cfg = self.cfg
+        self._lock_fd = _lock_data_dir(cfg.data_dir)
+        try:
+            storage = LmdbStorage.open(
+                cfg.data_dir,
+                map_size=cfg.map_size_bytes,
+                flush=cfg.flush,
+                flush_interval_s=cfg.flush_interval_ms / 1000,
+                verify=cfg.verify,
+                verify_tail=cfg.verify_tail_entries,
+            )
+        except BaseException:
+            self._unlock()
+            raise
+        started = False
+        try:
+            # Replaying from index 1 at every start: there are no snapshots yet.
+            raft = RawNode(cfg.raft_config(), storage, storage, random.Random(), applied=0)
+            transport = TcpTransport(
+                cfg.node_id,
+                cfg.cluster_id,
+                cfg.raft_host,
+                cfg.raft_port,
+                self._addresses(raft.config),
+                cfg.secret_bytes,
+                self._on_message,
+            )
+            await transport.start()
+            started = True
+        finally:
+            if not started:
+                storage.close()
+                self._unlock()
+        self._storage, self._raft, self._transport = storage, raft, transport
+        self._peer_ids = tuple(sorted(set(raft.config.members()) - {cfg.node_id}))
+        hs = storage.hard_state()
+        logger.info(
+            "node %d: opened %s (entries %d..%d, term %d, vote %d, commit %d, flush=%s)",
+            cfg.node_id,
+            cfg.data_dir,
+            storage.first_index(),
+            storage.last_index(),
+            hs.term,
+            hs.vote,
+            hs.commit,
+            cfg.flush,
+        )
+        self._t0 = self._started_at = self._last_flush_s = time.monotonic()
+        self._running = True
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"dledger-node-{cfg.node_id}"
+        )
+
+    async def stop(self) -> None:
+        """Finish the current Ready, fail what is pending, close everything.
+
+        Pending proposals fail with OutcomeUnknown (they may commit on the
+        others); queued ops that never reached the log fail with NodeStopped."""
+        if not self._running or self._stopping:
+            return
+        self._stopping = True
+        self._wake.set()
+        clean = True
+        if self._task is not None:
+            done, _ = await asyncio.wait({self._task}, timeout=_STOP_TIMEOUT_S)
+            if not done:
+                # Stuck in a storage sync: do not close storage under a
+                # running thread; the process exit releases it.
+                logger.error("node %d: the loop did not stop in time", self.cfg.node_id)
+                self._task.cancel()
+                clean = False
+        self._fail_all(OutcomeUnknown("the node stopped before the proposal committed"))
+        if self._transport is not None:
+            await self._transport.stop()
+        if self._storage is not None and clean:
+            if self.fatal is None:
+                with contextlib.suppress(DLedgerError):
+                    self._storage.sync()  # a commit-index-only hard state, if any
+            self._storage.close()
+            self._unlock()
+        self._running = False
+        logger.info("node %d: stopped", self.cfg.node_id)
+
+    @property
+    def running(self) -> bool:
+        return self._running and not self._stopping and self.fatal is None
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor releases the flock
+            self._lock_fd = None
+
+    def _r(self) -> RawNode:
+        if self._raft is None or not self.running:
+            raise NodeStopped(f"node {self.cfg.node_id} is not running")
+        return self._raft
+
+    # ======================================================================
+    # public API
+    # ======================================================================
+    async def propose(self, data: bytes) -> tuple[int, object]:
+        """Replicate ``data``; returns ``(index, result of apply)`` once applied here.
+
+        Raises NotLeader(leader_hint), Overloaded, TransferInProgress,
+        EntryTooLarge, ProposalDropped, or OutcomeUnknown (see module doc)."""
+        a = await self.propose_entry(data)
+        return a.index, a.result
+
+    async def propose_entry(self, data: bytes) -> Applied:
+        """:meth:`propose`, also returning the term the entry committed in."""
+        if len(data) > self.cfg.max_entry_bytes:
+            raise EntryTooLarge(
+                f"entry of {len(data)} bytes exceeds max_entry_bytes={self.cfg.max_entry_bytes}"
+            )
+        r = self._r()
+        if r.role is not Role.LEADER:
+            raise NotLeader(r.lead)
+        if r.transferee != NONE:
+            raise TransferInProgress(f"leadership is being transferred to node {r.transferee}")
+        if self._queued_proposals + len(self._pending) >= self.cfg.max_inflight_proposals:
+            raise Overloaded(
+                f"{self.cfg.max_inflight_proposals} proposals in flight (max_inflight_proposals)"
+            )
+        fut: asyncio.Future[Applied] = asyncio.get_running_loop().create_future()
+        self._queued_proposals += 1
+
+        def op() -> None:
+            self._queued_proposals -= 1
+            if fut.done():
+                return  # the caller gave up before it reached the log
+            try:
+                idx = r.propose(data)
+            except DLedgerError as exc:
+                fut.set_exception(exc)
+                return
+            self._pending[idx] = _Pending(r.term, fut, conf=False)
+
+        self._enqueue(fut, op)
+        return await fut
+
+    async def read(self, consistency: Consistency = "linearizable") -> ReadResult:
+        """A read barrier: once it returns, the local state machine reflects
+        every write acknowledged before the call (``linearizable``, leader
+        only: lease or ReadIndex) or at least everything this node applied
+        (``committed``, any node, never beyond the commit index)."""
+        if consistency == "committed":
+            self._r()
+            return ReadResult(self.applied, self.applied, "local")
+        if consistency != "linearizable":
+            raise ConfigError(
+                f"consistency must be 'committed' or 'linearizable', not {consistency!r}"
+            )
+        r = self._r()
+        if r.role is not Role.LEADER:
+            raise NotLeader(r.lead)
+        fut: asyncio.Future[ReadResult] = asyncio.get_running_loop().create_future()
+
+        def op() -> None:
+            if fut.done():
+                return
+            self._read_ctx += 1
+            ctx = self._read_ctx
+            self._reads[ctx] = fut
+            try:
+                r.read_index(ctx)
+            except DLedgerError as exc:
+                del self._reads[ctx]
+                fut.set_exception(exc)
+
+        self._enqueue(fut, op)
+        return await fut
+
+    async def transfer_leadership(self, to: int, timeout_s: float | None = None) -> None:
+        """Hand leadership to voter ``to`` and wait until it leads.
+
+        Raises NotLeader, TransferFailed (refused: not a voter, not caught
+        up; or not done within ``timeout_s``, default two election timeouts)."""
+        r = self._r()
+        if r.role is not Role.LEADER:
+            raise NotLeader(r.lead)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def op() -> None:
+            if fut.done():
+                return
+            try:
+                r.transfer_leadership(to)
+            except NotLeader as exc:
+                fut.set_exception(exc)
+            except DLedgerError as exc:
+                fut.set_exception(TransferFailed(str(exc)))
+            else:
+                fut.set_result(None)
+
+        self._enqueue(fut, op)
+        await fut
+        limit = timeout_s if timeout_s is not None else 2 * self.cfg.election_timeout_ms / 1000
+        if not await self._wait_changed(lambda: self._leader == to, limit):
+            raise TransferFailed(
+                f"node {to} did not take over within {limit:.3f}s (leader: {self._leader or 'none'})"
+            )
+
+    async def add_learner(self, node_id: int) -> ClusterConfig:
+        return await self._conf_change(ConfChange(ConfChangeType.ADD_LEARNER, node_id))
+
+    async def promote(self, node_id: int) -> ClusterConfig:
+        return await self._conf_change(ConfChange(ConfChangeType.PROMOTE_LEARNER, node_id))
+
+    async def remove(self, node_id: int) -> ClusterConfig:
+        return await self._conf_change(ConfChange(ConfChangeType.REMOVE_NODE, node_id))
+
+    async def _conf_change(self, cc: ConfChange) -> ClusterConfig:
+        if cc.type is not ConfChangeType.REMOVE_NODE and self.cfg.member(cc.node_id) is None:
+            raise UnknownMember(
+                f"node {cc.node_id} is not in the cluster file; add it there (on every "
+                "node) first so its address is known"
+            )
+        r = self._r()
+        if r.role is not Role.LEADER:
+            raise NotLeader(r.lead)
+        fut: asyncio.Future[ClusterConfig] = asyncio.get_running_loop().create_future()
+
+        def op() -> None:
+            if fut.done():
+                return
+            try:
+                idx = r.propose_conf_change(cc)
+            except DLedgerError as exc:
+                fut.set_exception(exc)
+                return
+            self._pending[idx] = _Pending(r.term, fut, conf=True)
+
+        self._enqueue(fut, op)
+        return await fut
+
+    # -- introspection -------------------------------------------------------
+    @property
+    def role(self) -> Role:
+        return self._role
+
+    @property
+    def leader(self) -> int:
+        return self._leader
+
+    def http_address_of(self, node_id: int) -> str | None:
+        m = self.cfg.member(node_id)
+        return m.http_address if m is not None else None
+
+    def status(self) -> dict[str, Any]:
+        cfg = self.cfg
+        out: dict[str, Any] = {
+            "id": cfg.node_id,
+            "cluster_id": cfg.cluster_id,
+            "running": self.running,
+            "pid": os.getpid(),
+            "uptime_s": round(time.monotonic() - self._started_at, 3) if self._started_at else 0,
+        }
+        if self.fatal is not None:
+            out["fatal"] = f"{type(self.fatal).__name__}: {self.fatal}"
+        r = self._raft
+        if r is None:
+            return out
+        st = r.status()
+        last = st.last_index
+        peers: dict[str, Any] = {}
+        for pid in sorted(set(st.peers) | set(self._peer_ids)):
+            if pid == cfg.node_id:
+                continue
+            entry: dict[str, Any] = {}
+            m = cfg.member(pid)
+            if m is not None:
+                entry["raft"] = m.raft_address
+                entry["http"] = m.http_address
+            pr = st.peers.get(pid)
+            if pr is not None:
+                entry.update(
+                    match=pr.match,
+                    next=pr.next,
+                    lag=max(0, last - pr.match),
+                    state=pr.state.lower(),
+                    learner=pr.learner,
+                    recent_active=pr.recent_active,
+                )
+            if self._transport is not None:
+                ps = self._transport.peer_status(pid)
+                if ps is not None:
+                    entry["outbound_connected"] = ps.outbound_connected
+                    entry["inbound_connected"] = ps.inbound_connected
+                    entry["queued_frames"] = ps.queued_frames
+            peers[str(pid)] = entry
+        storage = self._storage
+        out.update(
+            role=st.role.name.lower(),
+            term=st.term,
+            leader=st.leader,
+            leader_http=self.http_address_of(st.leader) if st.leader else None,
+            leader_ready=st.role is Role.LEADER and self._committed_in_term(r),
+            vote=st.vote,
+            commit=st.commit,
+            applied=self.applied,
+            last_index=last,
+            lease_remaining_ms=st.lease_remaining_ticks * cfg.tick_ms,
+            transferee=st.transferee,
+            config={"voters": list(st.config.voters), "learners": list(st.config.learners)},
+            peers=peers,
+            transport=self._transport.stats if self._transport is not None else {},
+            epochs={str(t): pos for t, pos in storage.epoch_map().items()} if storage else {},
+            storage={
+                "data_dir": cfg.data_dir,
+                "flush": cfg.flush,
+                "first_index": storage.first_index() if storage else 0,
+                "write_txns": storage.write_txns if storage else 0,
+                "flushes": storage.flushes if storage else 0,
+                "map_growths": storage.map_growths if storage else 0,
+            },
+            node={
+                **self.counters,
+                "ticks": self._ticks,
+                "inflight_proposals": self._queued_proposals + len(self._pending),
+                "pending_reads": len(self._reads) + len(self._parked_reads),
+                "inbox": len(self._inbox),
+                "sync_ms_total": round(self._sync_s_total * 1000, 3),
+                "sync_ms_max": round(self._sync_s_max * 1000, 3),
+                "loop_lag_ms_max": round(self._loop_lag_s_max * 1000, 3),
+            },
+            settings={
+                "tick_ms": cfg.tick_ms,
+                "election_ticks": cfg.election_ticks,
+                "heartbeat_ticks": cfg.heartbeat_ticks,
+                "lease_drift_ticks": cfg.lease_drift_ticks,
+                "flush": cfg.flush,
+                "flush_interval_ms": cfg.flush_interval_ms,
+                "max_inflight_proposals": cfg.max_inflight_proposals,
+                "max_entry_bytes": cfg.max_entry_bytes,
+            },
+        )
+        return out
+
+    @staticmethod
+    def _committed_in_term(r: RawNode) -> bool:
+        try:
+            return r.log.term(r.log.committed) == r.term
+        except DLedgerError:
+            return False
+
+    # ======================================================================
+    # inputs (called on the loop thread from outside the loop task)
+    # ======================================================================
+    def _on_message(self, peer_id: int, payload: bytes) -> None:
+        try:
+            m = decode_message(payload)
+        except CodecError as exc:
+            self.counters["decode_errors"] += 1
+            logger.warning(
+                "node %d: undecodable message from %d: %s", self.cfg.node_id, peer_id, exc
+            )
+            return
+        if m.frm != peer_id or m.to != self.cfg.node_id:
+            # The transport authenticated peer_id's connection; a message
+            # claiming another sender or receiver is not ours to step.
+            self.counters["misaddressed"] += 1
+            return
+        if len(self._inbox) >= self.cfg.max_inbox_msgs:
+            self.counters["inbox_dropped"] += 1  # Raft retries; memory stays bounded
+            return
+        self._inbox.append(m)
+        self._wake.set()
+
+    def _enqueue(self, fut: asyncio.Future[Any], op: Callable[[], None]) -> None:
+        self._ops.append((fut, op))
+        self._wake.set()
+
+    # ======================================================================
+    # the loop
+    # ======================================================================
+    async def _run(self) -> None:
+        r = self._raft
+        assert r is not None
+        try:
+            while not self._stopping:
+                await self._wait_for_work()
+                self._catch_up_ticks(r)
+                self._step_inputs(r)
+                while r.has_ready():
+                    rd = r.ready()
+                    await self._persist(rd)
+                    self._send(rd)
+                    conf_applied = self._apply(rd)
+                    r.advance(rd)
+                    self._after_advance(r, rd, conf_applied)
+                    # Time passed during the fsync: tick, then take what
+                    # queued meanwhile, so the next Ready batches it.
+                    self._catch_up_ticks(r)
+                    self._step_inputs(r)
+                    await asyncio.sleep(0)
+                await self._maybe_flush()
+        except Exception as exc:
+            self.fatal = exc
+            logger.critical(
+                "node %d: stopping on %s: %s",
+                self.cfg.node_id,
+                type(exc).__name__,
+                exc,
+                exc_info=not isinstance(exc, DLedgerError),
+            )
+            self._fail_all(OutcomeUnknown(f"the node failed: {exc}"))
+            self.failed.set()
+
+    async def _wait_for_work(self) -> None:
+        if self._inbox or self._ops or self._stopping:
+            return
+        loop = asyncio.get_running_loop()
+        due = self._t0 + (self._ticks + 1) * self.cfg.tick_ms / 1000
+        delay = due - time.monotonic()
+        if delay <= 0:
+            return
+        self._wake.clear()
+        handle = loop.call_later(delay, self._wake.set)
+        try:
+            await self._wake.wait()
+        finally:
+            handle.cancel()
+
+    def _catch_up_ticks(self, r: RawNode) -> None:
+        now = time.monotonic()
+        due = int((now - self._t0) * 1000 // self.cfg.tick_ms)
+        n = due - self._ticks
+        if n <= 0:
+            return
+        lag = now - (self._t0 + (self._ticks + 1) * self.cfg.tick_ms / 1000)
+        self._loop_lag_s_max = max(self._loop_lag_s_max, lag)
+        cap = _MAX_CATCH_UP_ELECTIONS * self.cfg.election_ticks
+        if n > cap:
+            self.counters["ticks_skipped"] += n - cap
+            logger.warning(
+                "node %d: the loop stalled for %.0f ms; ticking %d of %d missed ticks",
+                self.cfg.node_id,
+                n * self.cfg.tick_ms,
+                cap,
+                n,
+            )
+            n = cap
+        for _ in range(n):
+            r.tick()
+        self._ticks = due
+
+    def _step_inputs(self, r: RawNode) -> None:
+        inbox = self._inbox
+        while inbox:
+            r.step(inbox.popleft())
+        ops = self._ops
+        while ops:
+            ops.popleft()[1]()
+
+    async def _persist(self, rd: Ready) -> None:
+        st = self._storage
+        assert st is not None
+        self.counters["readies"] += 1
+        if rd.entries:
+            st.append(rd.entries)
+        if rd.hard_state is not None:
+            st.save_hard_state(rd.hard_state)
+        if rd.must_sync:
+            t = time.monotonic()
+            await asyncio.to_thread(self._sync_blocking, st)
+            dt = time.monotonic() - t
+            self._sync_s_total += dt
+            self._sync_s_max = max(self._sync_s_max, dt)
+            self.counters["syncs"] += 1
+            self.counters["synced_entries"] += len(rd.entries)
+
+    @staticmethod
+    def _sync_blocking(st: LmdbStorage) -> None:
+        st.sync()
+        st.maybe_flush(time.monotonic())  # async mode: fsync once per interval
+
+    async def _maybe_flush(self) -> None:
+        st = self._storage
+        if st is None or self.cfg.flush != "async":
+            return
+        now = time.monotonic()
+        if now - self._last_flush_s >= self.cfg.flush_interval_ms / 1000:
+            self._last_flush_s = now
+            await asyncio.to_thread(st.maybe_flush, now)
+
+    def _send(self, rd: Ready) -> None:
+        tr = self._transport
+        assert tr is not None
+        for m in rd.messages:
+            if not tr.send(m.to, encode_message(m)):
+                self.counters["send_refused"] += 1
+
+    def _apply(self, rd: Ready) -> list[_Pending]:
+        """Apply committed entries in order; resolve their proposals. Returns
+        the pending membership changes applied, resolved after advance()."""
+        sm = self.state_machine
+        conf_applied: list[_Pending] = []
+        for e in rd.committed_entries:
+            result = sm.apply(e)
+            self.applied = e.index
+            p = self._pending.pop(e.index, None)
+            if p is None:
+                continue
+            if p.term != e.term:
+                self.counters["proposals_dropped"] += 1
+                _fail(
+                    p.future,
+                    ProposalDropped(
+                        f"index {e.index} was taken by term {e.term}, proposed in term {p.term}"
+                    ),
+                )
+            elif p.conf:
+                conf_applied.append(p)
+            else:
+                self.counters["proposals_ok"] += 1
+                _resolve(p.future, Applied(e.index, e.term, result))
+        self.counters["applied_entries"] += len(rd.committed_entries)
+        for rs in rd.read_states:
+            fut = self._reads.pop(rs.ctx, None)
+            if fut is None:
+                continue
+            mode = "lease" if rs.mode is ReadMode.LEASE else "read_index"
+            heapq.heappush(self._parked_reads, (rs.index, rs.ctx, mode, fut))
+        for rf in rd.read_failures:
+            fut = self._reads.pop(rf.ctx, None)
+            if fut is not None:
+                _fail(fut, NotLeader(rf.leader_hint))
+        parked = self._parked_reads
+        while parked and parked[0][0] <= self.applied:
+            index, _, mode, fut = heapq.heappop(parked)
+            _resolve(fut, ReadResult(index, self.applied, mode))
+        return conf_applied
+
+    def _after_advance(self, r: RawNode, rd: Ready, conf_applied: list[_Pending]) -> None:
+        for p in conf_applied:
+            _resolve(p.future, r.config)
+        if any(e.type is EntryType.CONF_CHANGE for e in rd.committed_entries):
+            self._update_peers(r)
+        if rd.soft_state is not None:
+            self._on_soft_state(rd.soft_state)
+
+    def _on_soft_state(self, ss: SoftState) -> None:
+        was_leader = self._role is Role.LEADER
+        if ss.leader != self._leader or ss.role is not self._role:
+            logger.info(
+                "node %d: %s in term %d, leader %s",
+                self.cfg.node_id,
+                ss.role.name.lower(),
+                ss.term,
+                ss.leader or "unknown",
+            )
+        if ss.leader != self._leader:
+            self.counters["leader_changes"] += 1
+        self._role, self._leader = ss.role, ss.leader
+        if was_leader and ss.role is not Role.LEADER and self._pending:
+            n = len(self._pending)
+            self.counters["proposals_unknown"] += n
+            for p in self._pending.values():
+                _fail(
+                    p.future,
+                    OutcomeUnknown(
+                        f"node {self.cfg.node_id} lost leadership in term {ss.term}; "
+                        "the proposal may still commit"
+                    ),
+                )
+            self._pending.clear()
+        ev, self._changed = self._changed, asyncio.Event()
+        ev.set()
+
+    async def _wait_changed(self, pred: Callable[[], bool], timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not pred():
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.running:
+                return pred()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await self._changed.wait()
+        return True
+
+    # ======================================================================
+    # helpers
+    # ======================================================================
+    def _addresses(self, conf: ClusterConfig) -> dict[int, tuple[str, int]]:
+        out: dict[int, tuple[str, int]] = {}
+        for nid in conf.members():
+            if nid == self.cfg.node_id:
+                continue
+            m = self.cfg.member(nid)
+            if m is None:
+                logger.warning(
+                    "node %d: member %d is not in the cluster file; it cannot be reached",
+                    self.cfg.node_id,
+                    nid,
+                )
+                continue
+            out[nid] = (m.raft_host, m.raft_port)
+        return out
+
+    def _update_peers(self, r: RawNode) -> None:
+        peers = self._addresses(r.config)
+        ids = tuple(sorted(peers))
+        if ids != self._peer_ids and self._transport is not None:
+            logger.info(
+                "node %d: membership now voters=%s learners=%s",
+                self.cfg.node_id,
+                list(r.config.voters),
+                list(r.config.learners),
+            )
+            self._transport.update_peers(peers)
+            self._peer_ids = ids
+
+    def _fail_all(self, exc: DLedgerError) -> None:
+        for p in self._pending.values():
+            _fail(p.future, exc)
+        self._pending.clear()
+        stopped = NodeStopped(f"node {self.cfg.node_id} stopped")
+        for fut in self._reads.values():
+            _fail(fut, stopped)
+        self._reads.clear()
+        for _, _, _, fut in self._parked_reads:
+            _fail(fut, stopped)
+        self._parked_reads.clear()
+        self._inbox.clear()
+        # Queued ops never reached the log: they certainly did not happen.
+        for fut, _ in self._ops:
+            _fail(fut, stopped)
+        self._ops.clear()
+        self._queued_proposals = 0

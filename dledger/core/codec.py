@@ -109,6 +109,8 @@ def decode_message(buf: bytes | memoryview) -> Message:
         mt = MsgType(mtype)
     except ValueError:
         raise CodecError(f"unknown message type {mtype}") from None
+    if flags & ~0x03:
+        raise CodecError(f"unknown message flag bits 0x{flags & ~0x03:02x}")
     off = _MSG_HDR.size
     end = len(mv) - _CRC.size
     entries = []

@@ -145,6 +145,7 @@ class RawNode:
         self._read_states: list[ReadState] = []
         self._read_failures: list[ReadFailed] = []
         self._tick_count = 0
+        self._last_leader_contact = 0  # boot counts as contact (see _in_stickiness)
         self._election_elapsed = 0
         self._heartbeat_elapsed = 0
         self._randomized_timeout = cfg.election_ticks
@@ -181,12 +182,7 @@ class RawNode:
         if m.to != self.id:
             return
         if m.term > self.term:
-            if m.type in (MsgType.VOTE, MsgType.PRE_VOTE) and (
-                not m.force
-                and self.cfg.check_quorum
-                and self._in_stickiness()
-                and FAULT_VOTE_DESPITE_LEADER not in self._faults
-            ):
+            if m.type in (MsgType.VOTE, MsgType.PRE_VOTE) and self._sticky_refusal(m):
                 return  # heard from a live leader recently: ignore, no reply
             if m.type is MsgType.PRE_VOTE or (m.type is MsgType.PRE_VOTE_RESP and not m.reject):
                 pass  # a pre-vote never changes anyone's term
@@ -226,9 +222,12 @@ class RawNode:
             raise ProposalDropped(f"node {nid} is already a voter")
         if cc.type is ConfChangeType.ADD_LEARNER and nid in cur.members():
             raise ProposalDropped(f"node {nid} is already a member")
-        if cc.type is ConfChangeType.PROMOTE_LEARNER:
-            if not cur.is_learner(nid):
-                raise ProposalDropped(f"node {nid} is not a learner")
+        if cc.type is ConfChangeType.PROMOTE_LEARNER and not cur.is_learner(nid):
+            raise ProposalDropped(f"node {nid} is not a learner")
+        if cc.type in (ConfChangeType.PROMOTE_LEARNER, ConfChangeType.ADD_VOTER) and cur.is_learner(
+            nid
+        ):
+            # A learner becomes a voter only once it has (nearly) caught up.
             pr = self._progress.get(nid)
             if pr is None or self.log.last_index() - pr.match > self.cfg.transfer_max_lag:
                 raise ProposalDropped(f"learner {nid} is not caught up yet")
@@ -486,13 +485,26 @@ class RawNode:
         self._randomized_timeout = e + self._rng.randrange(e)
 
     def _in_stickiness(self) -> bool:
-        """Heard from a live leader (or booted) less than an election timeout ago."""
-        e = self.cfg.election_ticks
+        """Heard from a live leader (or booted) less than an election timeout ago.
+
+        Measured on our own tick clock from the last AppendEntries/heartbeat
+        accepted from a leader, and deliberately NOT cleared when our term
+        moves: any higher-term message (a delayed pre-vote rejection, say) may
+        raise our term, but the leader whose lease our acknowledgement helped
+        establish may still be serving reads. Boot counts as contact, because
+        a restart forgets whom we heard."""
         if self.role is Role.LEADER:
             return True  # check-quorum steps us down if we lose the quorum
-        if self._tick_count < e:
-            return True  # a restart forgets whom we heard: stay quiet first
-        return self.lead != NONE and self._election_elapsed < e
+        return self._tick_count - self._last_leader_contact < self.cfg.election_ticks
+
+    def _sticky_refusal(self, m: Message) -> bool:
+        """Must this (pre-)vote request be refused because a leader is alive?"""
+        return (
+            not m.force
+            and self.cfg.check_quorum
+            and FAULT_VOTE_DESPITE_LEADER not in self._faults
+            and self._in_stickiness()
+        )
 
     # ======================================================================
     # Elections
@@ -556,7 +568,7 @@ class RawNode:
             self.vote == m.frm
             or (self.vote == NONE and self.lead == NONE)
             or (m.type is MsgType.PRE_VOTE and m.term > self.term)
-        )
+        ) and not self._sticky_refusal(m)
         if can_vote and self.log.is_up_to_date(m.index, m.log_term):
             # A pre-vote reply carries the term asked about so the
             # pre-candidate recognises it; a real vote is persisted (hard
@@ -590,10 +602,12 @@ class RawNode:
     def _step_follower(self, m: Message) -> None:
         if m.type is MsgType.APP:
             self._election_elapsed = 0
+            self._last_leader_contact = self._tick_count
             self.lead = m.frm
             self._handle_append(m)
         elif m.type is MsgType.HEARTBEAT:
             self._election_elapsed = 0
+            self._last_leader_contact = self._tick_count
             self.lead = m.frm
             self.log.commit_to(min(m.commit, self.log.last_index()))
             self._send(

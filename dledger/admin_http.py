@@ -14,6 +14,7 @@ known leader it answers ``503`` with ``Retry-After``.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -234,6 +235,23 @@ async def _applied(request: web.Request) -> web.Response:
     return _json({"id": node.cfg.node_id, "applied": node.applied, "records": records, "next": nxt})
 
 
+async def _messages(request: web.Request) -> web.Response:
+    """Recent applied payloads (UTF-8 text when they decode, else base64)."""
+    node = request.app[NODE_KEY]
+    start = _int_param(request, "from", 1, 1)
+    limit = _int_param(request, "max", 100, 1, MAX_APPLIED_PAGE)
+    sm = node.state_machine
+    if not isinstance(sm, LogStateMachine):
+        raise Unprocessable("this node's state machine keeps no payloads")
+    out = []
+    for index, term, data in sm.recent(start, limit):
+        try:
+            out.append({"index": index, "term": term, "text": data.decode("utf-8")})
+        except UnicodeDecodeError:
+            out.append({"index": index, "term": term, "base64": base64.b64encode(data).decode()})
+    return _json({"id": node.cfg.node_id, "applied": node.applied, "messages": out})
+
+
 async def _transfer(request: web.Request) -> web.Response:
     node = request.app[NODE_KEY]
     to = _int_param(request, "to", None, 1)
@@ -300,6 +318,7 @@ def make_app(node: Node) -> web.Application:
     app.router.add_post("/raft/propose", _propose)
     app.router.add_get("/raft/read", _read)
     app.router.add_get("/raft/applied", _applied)
+    app.router.add_get("/raft/messages", _messages)
     app.router.add_post("/raft/transfer", _transfer)
     app.router.add_post("/raft/members", _members)
     app.router.add_get("/healthz", _healthz)

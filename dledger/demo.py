@@ -67,9 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         say(f"==> starting 3 nodes (cluster file {lc.cluster_path})")
         lc.start_all()
-        leader = lc.wait_leader(timeout_s=60)
-        if leader is None:
-            say("no leader within 60 s; node logs:\n" + lc.log_tail(1))
+        try:
+            leader = lc.wait_leader(timeout_s=60)
+        except TimeoutError:
+            say("no leader within 60 s; node 1's log:\n" + lc.log_tail(1))
             return 1
         for i in lc.ids():
             st = lc.status(i) or {}

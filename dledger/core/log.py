@@ -8,6 +8,12 @@ the storage's last index; lookups at or above the offset never consult the
 storage, so the stale stored suffix is invisible until the driver overwrites it
 (``LogStorage.append`` replaces the suffix).
 
+Recently persisted entries also stay in ``_cache`` (indexes ``_cache_offset
+.. _unstable_offset - 1``, bounded by count and bytes), so that sending them to
+followers and applying them does not read and CRC-check them back from disk.
+The cache only ever holds a contiguous run ending right below the unstable
+part; truncating a conflicting suffix trims it the same way.
+
 Invariants: ``applied <= committed <= last_index()``; ``committed`` never
 decreases (raising :class:`InvariantViolation` instead); the storage is only
 read here, never written.
@@ -23,10 +29,22 @@ from dledger.storage.base import LogStorage
 
 
 class RaftLog:
-    def __init__(self, storage: LogStorage, committed: int, applied: int) -> None:
+    def __init__(
+        self,
+        storage: LogStorage,
+        committed: int,
+        applied: int,
+        cache_entries_max: int = 65536,
+        cache_bytes_max: int = 64 << 20,
+    ) -> None:
         self.storage = storage
         self._unstable: list[Entry] = []
         self._unstable_offset = storage.last_index() + 1
+        self._cache: list[Entry] = []
+        self._cache_offset = self._unstable_offset
+        self._cache_bytes = 0
+        self._cache_entries_max = cache_entries_max
+        self._cache_bytes_max = cache_bytes_max
         last = self.last_index()
         # A saved commit index past the durable log (a damaged or truncated
         # tail) is clamped, never trusted: we cannot apply what we lack.
@@ -58,6 +76,8 @@ class RaftLog:
         if index >= self._unstable_offset:
             k = index - self._unstable_offset
             return self._unstable[k].term if k < len(self._unstable) else 0
+        if index >= self._cache_offset:
+            return self._cache[index - self._cache_offset].term
         return self.storage.term(index)
 
     def match_term(self, index: int, term: int) -> bool:
@@ -81,7 +101,10 @@ class RaftLog:
         budget = max_bytes
         if lo < self._unstable_offset:
             stable_hi = min(hi, self._unstable_offset)
-            out = self.storage.entries(lo, stable_hi, budget)
+            if lo >= self._cache_offset and lo >= self.storage.first_index():
+                out = self._take(self._cache, lo - self._cache_offset, stable_hi - lo, budget)
+            else:
+                out = self.storage.entries(lo, stable_hi, budget)
             if not out or out[-1].index + 1 < stable_hi:
                 return out  # the byte budget ran out inside the stable part
             if budget is not None:
@@ -94,6 +117,20 @@ class RaftLog:
                 budget -= len(e.data)
             out.append(e)
         return out
+
+    @staticmethod
+    def _take(src: list[Entry], start: int, count: int, budget: int | None) -> list[Entry]:
+        """Up to ``count`` entries from ``src[start:]``: at least one, then
+        within ``budget`` bytes of data (the LogStorage.entries contract)."""
+        window = src[start : start + count]
+        if budget is None:
+            return window
+        total = 0
+        for k, e in enumerate(window):
+            total += len(e.data)
+            if total > budget and k > 0:
+                return window[:k]
+        return window
 
     def unstable_entries(self) -> tuple[Entry, ...]:
         return tuple(self._unstable)
@@ -125,6 +162,14 @@ class RaftLog:
             # from ``first`` is now unstable and the stored copy is shadowed.
             self._unstable = []
             self._unstable_offset = first
+            if first <= self._cache_offset:
+                self._cache = []
+                self._cache_bytes = 0
+                self._cache_offset = first
+            else:
+                dropped = self._cache[first - self._cache_offset :]
+                del self._cache[first - self._cache_offset :]
+                self._cache_bytes -= sum(len(e.data) for e in dropped)
         self._unstable.extend(ents)
         self._last_end_pos = ents[-1].end_pos
 
@@ -150,8 +195,20 @@ class RaftLog:
         k = index - self._unstable_offset
         if k >= len(self._unstable) or self._unstable[k].term != term:
             return  # replaced since that Ready was taken; persist it next time
+        done = self._unstable[: k + 1]
         del self._unstable[: k + 1]
         self._unstable_offset = index + 1
+        self._cache.extend(done)
+        self._cache_bytes += sum(len(e.data) for e in done)
+        drop = max(len(self._cache) - self._cache_entries_max, 0)
+        dropped_bytes = sum(len(e.data) for e in self._cache[:drop])
+        while self._cache_bytes - dropped_bytes > self._cache_bytes_max and drop < len(self._cache):
+            dropped_bytes += len(self._cache[drop].data)
+            drop += 1
+        if drop:
+            del self._cache[:drop]
+            self._cache_offset += drop
+            self._cache_bytes -= dropped_bytes
 
     # -- helpers -------------------------------------------------------------
     def _end_pos_of(self, index: int) -> int:

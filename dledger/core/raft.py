@@ -134,7 +134,9 @@ class RawNode:
         hs = stable.hard_state()
         self.term = hs.term
         self.vote = hs.vote
-        self.log = RaftLog(log_storage, hs.commit, applied)
+        self.log = RaftLog(
+            log_storage, hs.commit, applied, cfg.log_cache_entries_max, cfg.log_cache_bytes_max
+        )
         self._prev_hs = HardState(hs.term, hs.vote, self.log.committed)
         self.config = self._config_at(self.log.applied)
         self.lead = NONE

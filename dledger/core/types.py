@@ -236,6 +236,8 @@ class RaftConfig:
     max_msg_bytes: int = 1 << 20
     max_apply_bytes: int = 8 << 20
     transfer_max_lag: int = 1024
+    log_cache_entries_max: int = 65536  # recently persisted entries kept in memory
+    log_cache_bytes_max: int = 64 << 20
     check_quorum: bool = True
     pre_vote: bool = True
     faults: frozenset[str] = field(default_factory=frozenset)

@@ -85,6 +85,8 @@ class SimConfig:
     membership: bool = True
     check_quorum: bool = True  # off: no stickiness, no lease (ReadIndex only)
     pre_vote: bool = True
+    log_cache_entries_max: int = 65536
+    log_cache_bytes_max: int = 64 << 20
     stale_leader_reads: float = 0.0  # share of client ops sent to any self-believed leader
     crash_after_vote_rate: float = 0.05  # kill right after granting a vote
     crash_after_commit_rate: float = 0.01  # kill a leader right after it commits
@@ -191,6 +193,8 @@ class Simulation:
             max_msg_bytes=c.max_msg_bytes,
             check_quorum=c.check_quorum,
             pre_vote=c.pre_vote,
+            log_cache_entries_max=c.log_cache_entries_max,
+            log_cache_bytes_max=c.log_cache_bytes_max,
             faults=c.faults & CORE_FAULTS,
         )
 
@@ -823,6 +827,9 @@ def mixed_config(
         faults=faults,
         check_quorum=r.random() < 0.8,
         max_msg_bytes=r.choice([64, 256, 4096]),
+        # a tiny entry cache makes every path through the cache's trimming run
+        log_cache_entries_max=r.choice([65536, 3, 17]),
+        log_cache_bytes_max=r.choice([64 << 20, 100]),
         mixed=True,
     )
     return dataclasses.replace(cfg, profile=profile, **PROFILES[profile])

@@ -34,6 +34,8 @@ _U32 = struct.Struct("<I")
 _CONF = struct.Struct("<BQ")
 
 ENTRY_OVERHEAD = _ENTRY_HDR.size + _CRC.size
+_ENTRY_TYPES: dict[int, EntryType] = {int(t): t for t in EntryType}
+_HDR_CRC = struct.Struct("<HBBQQQII")  # entry header + its CRC, in one unpack
 
 
 def encode_entry(e: Entry) -> bytes:
@@ -46,22 +48,27 @@ def decode_entry(buf: bytes | memoryview) -> Entry:
     mv = memoryview(buf)
     if len(mv) < ENTRY_OVERHEAD:
         raise CodecError(f"entry record too short: {len(mv)} bytes")
-    magic, version, etype, index, term, pos, n = _ENTRY_HDR.unpack_from(mv, 0)
+    return _decode_entry_at(mv, 0, len(mv))
+
+
+def _decode_entry_at(mv: memoryview, off: int, length: int) -> Entry:
+    """Decode the entry record occupying ``mv[off : off + length]``."""
+    if length < ENTRY_OVERHEAD:
+        raise CodecError(f"entry record too short: {length} bytes")
+    magic, version, etype, index, term, pos, n, crc = _HDR_CRC.unpack_from(mv, off)
     if magic != ENTRY_MAGIC:
         raise CodecError(f"bad entry magic 0x{magic:04x}")
     if version != VERSION:
         raise CodecError(f"unsupported entry version {version}")
-    if len(mv) != ENTRY_OVERHEAD + n:
-        raise CodecError(f"entry length mismatch: header says {n}, have {len(mv) - ENTRY_OVERHEAD}")
-    (crc,) = _CRC.unpack_from(mv, _ENTRY_HDR.size)
-    data = bytes(mv[ENTRY_OVERHEAD:])
-    if zlib.crc32(data, zlib.crc32(mv[: _ENTRY_HDR.size])) != crc:
+    if length != ENTRY_OVERHEAD + n:
+        raise CodecError(f"entry length mismatch: header says {n}, have {length - ENTRY_OVERHEAD}")
+    data = bytes(mv[off + ENTRY_OVERHEAD : off + length])
+    if zlib.crc32(data, zlib.crc32(mv[off : off + _ENTRY_HDR.size])) != crc:
         raise CodecError(f"entry {index} failed its CRC check")
-    try:
-        et = EntryType(etype)
-    except ValueError:
-        raise CodecError(f"unknown entry type {etype}") from None
-    return Entry(index=index, term=term, type=et, data=data, pos=pos)
+    et = _ENTRY_TYPES.get(etype)
+    if et is None:
+        raise CodecError(f"unknown entry type {etype}")
+    return Entry(index, term, et, data, pos)
 
 
 def encode_message(m: Message) -> bytes:
@@ -121,7 +128,7 @@ def decode_message(buf: bytes | memoryview) -> Message:
         off += 4
         if off + ln > end:
             raise CodecError("message truncated inside an entry")
-        entries.append(decode_entry(mv[off : off + ln]))
+        entries.append(_decode_entry_at(mv, off, ln))
         off += ln
     if off != end:
         raise CodecError(f"{end - off} trailing bytes after the message's entries")

@@ -353,6 +353,11 @@ class RawNode:
     def transferee(self) -> int:
         return self._transferee
 
+    def leader_ready(self) -> bool:
+        """Leader whose no-op (an entry of its own term) has committed: only
+        then does it serve reads and accept membership changes."""
+        return self.role is Role.LEADER and self._committed_in_term()
+
     def lease_valid(self) -> bool:
         """True when a linearizable read may be served locally right now."""
         if self.role is not Role.LEADER or not self.cfg.check_quorum:

@@ -32,6 +32,7 @@ from dledger.cluster import DEFAULT_DIR, LocalCluster
 from dledger.config import NodeConfig, load_cluster_file
 from dledger.errors import ConfigError, StorageCorrupted
 from dledger.node import Node
+from http_api.server import NodeServer, make_state_machine
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -55,7 +56,7 @@ def _setup_logging(level: str, node_id: int) -> None:
 
 async def run_node(cfg: NodeConfig) -> int:
     """Run one node until SIGTERM/SIGINT or a fatal error; returns the exit code."""
-    node = Node(cfg)
+    node = Node(cfg, make_state_machine(cfg))
     try:
         await node.start()
     except (StorageCorrupted, ConfigError) as exc:
@@ -64,7 +65,9 @@ async def run_node(cfg: NodeConfig) -> int:
     except OSError as exc:
         logger.critical("cannot listen on raft %s:%d: %s", cfg.raft_host, cfg.raft_port, exc)
         return EXIT_FAILURE
-    server = AdminServer(node)
+    server: AdminServer | NodeServer = (
+        NodeServer(node) if cfg.state_machine == "broker" else AdminServer(node)
+    )
     try:
         await server.start()
     except OSError as exc:

@@ -112,6 +112,12 @@ class NodeConfig:
     verify_tail_entries: int = 1024
     # HTTP: how long a proposal or read waits for its answer by default.
     request_timeout_ms: int = 10_000
+    # What committed entries are applied to: "broker" (broker_adapter, with
+    # the /v1 message API) or "log" (records only, the bare Raft log).
+    state_machine: str = "broker"
+    # Broker: a produce to an unknown topic creates it with this many queues
+    # (0: it is refused with UNKNOWN_TOPIC).
+    auto_create_topic_queues: int = 0
 
     # -- derived -------------------------------------------------------------
     @property
@@ -190,6 +196,14 @@ class NodeConfig:
             raise ConfigError(f"flush must be 'sync' or 'async', got {self.flush!r}")
         if self.verify not in ("tail", "full"):
             raise ConfigError(f"verify must be 'tail' or 'full', got {self.verify!r}")
+        if self.state_machine not in ("broker", "log"):
+            raise ConfigError(
+                f"state_machine must be 'broker' or 'log', got {self.state_machine!r}"
+            )
+        if not 0 <= self.auto_create_topic_queues <= 1024:
+            raise ConfigError(
+                f"auto_create_topic_queues must be within 0..1024, got {self.auto_create_topic_queues}"
+            )
         ids = [m.id for m in self.members]
         if len(set(ids)) != len(ids):
             raise ConfigError(f"members: duplicate ids in {sorted(ids)}")

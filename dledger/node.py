@@ -193,7 +193,9 @@ class Node:
     def __init__(self, cfg: NodeConfig, state_machine: StateMachine | None = None) -> None:
         cfg.validate()
         self.cfg = cfg
-        self.state_machine: StateMachine = state_machine or LogStateMachine()
+        self.state_machine: StateMachine = (
+            state_machine if state_machine is not None else LogStateMachine()
+        )
         self._storage: LmdbStorage | None = None
         self._raft: RawNode | None = None
         self._transport: TcpTransport | None = None
@@ -584,6 +586,17 @@ class Node:
             },
         )
         return out
+
+    def leader_ready(self) -> bool:
+        """Leader that has committed and applied an entry of its own term (its
+        no-op), so its applied state includes every earlier committed entry."""
+        r = self._raft
+        if r is None or not self.running or r.role is not Role.LEADER:
+            return False
+        try:
+            return r.log.term(self.applied) == r.term
+        except DLedgerError:
+            return False
 
     @staticmethod
     def _committed_in_term(r: RawNode) -> bool:

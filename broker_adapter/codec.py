@@ -1,0 +1,620 @@
+"""Byte encodings of the broker: commands (one per Raft entry), message
+records (many per produce command) and the snapshot value format.
+
+Command (one Raft entry's data), big-endian::
+
+    magic    4s  b"\\xd1BRK"
+    version  u8  COMMAND_VERSION
+    kind     u8  CommandKind
+    flags    u16 0 (reserved)
+    ts_ms    u64 the leader's wall clock when it proposed (the store timestamp)
+    crc      u32 crc32 of body
+    body     ...  per kind (see the encode_* functions)
+
+A produce body is a small header followed by ``count`` message records laid
+out back to back; record ``k`` starts at byte ``o_k`` of the entry, so its
+CommitLog physical offset is ``entry.pos + o_k`` and its size is its length::
+
+    length   u32 whole record, this field included
+    crc      u32 crc32 of bytes [8:length]
+    version  u8  RECORD_VERSION
+    born_ts  i64 producer's timestamp (ms)
+    queue    i32 requested queue, -1 = let the broker choose
+    shard    u16 len + UTF-8  sharding key ("" = none)
+    tag      u16 len + UTF-8
+    keys     u16 count, each u16 len + UTF-8
+    props    u16 count, each (u16 len + UTF-8 key, u16 len + UTF-8 value)
+    body     u32 len + bytes
+
+Everything is ``struct``; there is no pickle and no JSON in the log. The
+command CRC is checked at apply; a record's own CRC is checked whenever the
+record is decoded for a consumer.
+
+Snapshots use a tiny self-describing value format (:func:`dump_value`):
+None, bool, int (i64), bytes, str, list and dict with keys emitted in sorted
+encoded order, so equal states give equal bytes whatever their insertion order.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import struct
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from broker_adapter.errors import (
+    InvalidArgument,
+    InvalidGroupName,
+    InvalidQueue,
+    InvalidTopicName,
+    MalformedCommand,
+    MessageTooLarge,
+    TooManyProperties,
+)
+
+MAGIC = b"\xd1BRK"
+COMMAND_VERSION = 1
+RECORD_VERSION = 1
+MAX_QUEUES = 1024
+NAME_MAX_LEN = 127
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.%|-]+$")
+
+_HDR = struct.Struct(">4sBBHQI")
+HEADER_SIZE = _HDR.size
+_REC_FIXED = struct.Struct(">IIBqi")
+_U8 = struct.Struct(">B")
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+_PRODUCE_FIXED = struct.Struct(">HQIqI")  # auto_create_queues, pid, epoch, base_seq, count
+_OFFSET_ITEM = struct.Struct(">iq")
+_RESET_FIXED = struct.Struct(">Bq")
+_RETENTION = struct.Struct(">qqq")
+_Q = struct.Struct(">Q")
+_H = struct.Struct(">H")
+
+
+class CommandKind(enum.IntEnum):
+    PRODUCE = 1
+    CREATE_TOPIC = 2
+    UPDATE_TOPIC = 3
+    DELETE_TOPIC = 4
+    COMMIT_OFFSETS = 5
+    RESET_GROUP = 6
+    REGISTER_PRODUCER = 7
+    SET_RETENTION = 8
+
+
+class ResetMode(enum.IntEnum):
+    EARLIEST = 0
+    LATEST = 1
+    TIMESTAMP = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What the leader's encoder accepts. Units last (TigerBeetle style)."""
+
+    max_message_bytes: int = 1 << 20  # one encoded record
+    max_batch_bytes: int = (4 << 20) - 4096  # one entry; below the node's max_entry_bytes
+    max_batch_messages: int = 10_000
+    max_properties: int = 64
+    max_keys: int = 32
+    max_string_bytes: int = 4096
+
+
+DEFAULT_LIMITS = Limits()
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A message as a producer hands it to the encoder."""
+
+    body: bytes
+    tag: str = ""
+    keys: tuple[str, ...] = ()
+    properties: tuple[tuple[str, str], ...] = ()
+    queue: int | None = None
+    sharding_key: str | None = None
+    born_ts_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A decoded message record (what a consumer gets, before offsets)."""
+
+    born_ts_ms: int
+    queue: int
+    sharding_key: str
+    tag: str
+    keys: tuple[str, ...]
+    properties: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Produce:
+    topic: str
+    auto_create_queues: int
+    producer_id: int
+    epoch: int
+    base_seq: int  # -1: not idempotent
+    count: int
+    records_start: int  # byte offset of the first record in the entry data
+
+
+@dataclass(frozen=True, slots=True)
+class TopicCmd:
+    topic: str
+    queues: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CommitOffsets:
+    group: str
+    offsets: tuple[tuple[str, int, int], ...]  # (topic, queue, offset)
+
+
+@dataclass(frozen=True, slots=True)
+class ResetGroup:
+    group: str
+    topic: str
+    mode: ResetMode
+    timestamp_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterProducer:
+    producer_id: int  # 0: assign a new one
+
+
+@dataclass(frozen=True, slots=True)
+class SetRetention:
+    max_bytes: int  # 0: unlimited
+    max_age_ms: int  # 0: unlimited
+    producer_idle_ms: int  # 0: keep the current setting
+
+
+Body = Produce | TopicCmd | CommitOffsets | ResetGroup | RegisterProducer | SetRetention
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    kind: CommandKind
+    ts_ms: int
+    body: Body = field(default_factory=lambda: RegisterProducer(0))
+
+
+# ---------------------------------------------------------------------------
+# validation shared by encoders and the HTTP layer
+
+
+def check_name(name: object, what: str = "topic") -> str:
+    err = InvalidTopicName if what == "topic" else InvalidGroupName
+    if not isinstance(name, str) or not name:
+        raise err(f"{what} name must be a non-empty string", field=what)
+    if len(name) > NAME_MAX_LEN or not _NAME_RE.match(name):
+        raise err(
+            f"{what} name {name[:40]!r} must be 1..{NAME_MAX_LEN} characters of "
+            "A-Z a-z 0-9 _ - . % |",
+            field=what,
+        )
+    return name
+
+
+def check_queue_count(queues: object) -> int:
+    if not isinstance(queues, int) or isinstance(queues, bool) or not 1 <= queues <= MAX_QUEUES:
+        raise InvalidQueue(f"queue count must be within 1..{MAX_QUEUES}, got {queues!r}", "queues")
+    return queues
+
+
+def _s8(s: str, what: str) -> bytes:
+    b = s.encode("utf-8")
+    if len(b) > 255:
+        raise InvalidArgument(f"{what} is longer than 255 bytes", field=what)
+    return _U8.pack(len(b)) + b
+
+
+def _s16(s: str, what: str, limits: Limits) -> bytes:
+    b = s.encode("utf-8")
+    if len(b) > limits.max_string_bytes:
+        raise InvalidArgument(
+            f"{what} is {len(b)} bytes, more than {limits.max_string_bytes}", field=what
+        )
+    return _U16.pack(len(b)) + b
+
+
+def _command(kind: CommandKind, ts_ms: int, body: bytes) -> bytes:
+    if ts_ms < 0:
+        raise InvalidArgument("timestamp must be >= 0", field="ts_ms")
+    return _HDR.pack(MAGIC, COMMAND_VERSION, kind, 0, ts_ms, zlib.crc32(body)) + body
+
+
+# ---------------------------------------------------------------------------
+# encoders (run on the leader before proposing; they raise on bad input)
+
+
+def encode_record(m: Message, limits: Limits = DEFAULT_LIMITS, index: int = 0) -> bytes:
+    where = f"messages[{index}]"
+    if not isinstance(m.body, bytes | bytearray | memoryview):
+        raise InvalidArgument("value must be bytes", field=f"{where}.value")
+    if m.queue is not None and not 0 <= m.queue < MAX_QUEUES:
+        raise InvalidQueue(
+            f"queue must be within 0..{MAX_QUEUES - 1}, got {m.queue}", f"{where}.queue"
+        )
+    if len(m.properties) > limits.max_properties:
+        raise TooManyProperties(
+            f"{len(m.properties)} properties, at most {limits.max_properties} allowed",
+            f"{where}.properties",
+        )
+    if len(m.keys) > limits.max_keys:
+        raise InvalidArgument(
+            f"{len(m.keys)} keys, at most {limits.max_keys} allowed", f"{where}.keys"
+        )
+    body = bytes(m.body)
+    if len(body) > limits.max_message_bytes:
+        raise MessageTooLarge(
+            f"message body of {len(body)} bytes exceeds {limits.max_message_bytes}",
+            f"{where}.value",
+            limit_bytes=limits.max_message_bytes,
+        )
+    parts = [
+        _s16(m.sharding_key or "", f"{where}.sharding_key", limits),
+        _s16(m.tag, f"{where}.tags", limits),
+        _U16.pack(len(m.keys)),
+        *(_s16(k, f"{where}.keys", limits) for k in m.keys),
+        _U16.pack(len(m.properties)),
+    ]
+    for k, v in m.properties:
+        parts.append(_s16(k, f"{where}.properties", limits))
+        parts.append(_s16(v, f"{where}.properties", limits))
+    parts.append(_U32.pack(len(body)))
+    parts.append(body)
+    rest = b"".join(parts)
+    size = _REC_FIXED.size + len(rest)
+    if size > limits.max_message_bytes + 64 * 1024:
+        raise MessageTooLarge(
+            f"encoded message of {size} bytes is too large", f"{where}", limit_bytes=size
+        )
+    queue = -1 if m.queue is None else m.queue
+    tail = _REC_FIXED.pack(0, 0, RECORD_VERSION, m.born_ts_ms, queue)[8:] + rest
+    return _U32.pack(size) + _U32.pack(zlib.crc32(tail)) + tail
+
+
+def encode_produce(
+    topic: str,
+    messages: Sequence[Message],
+    ts_ms: int,
+    *,
+    producer_id: int = 0,
+    epoch: int = 0,
+    base_seq: int = -1,
+    auto_create_queues: int = 0,
+    limits: Limits = DEFAULT_LIMITS,
+) -> bytes:
+    """One produce entry. ``base_seq >= 0`` with ``producer_id > 0`` makes it
+    idempotent: message ``k`` has sequence ``base_seq + k`` in its queue."""
+    check_name(topic)
+    if not messages:
+        raise InvalidArgument("a batch needs at least one message", field="messages")
+    if len(messages) > limits.max_batch_messages:
+        raise InvalidArgument(
+            f"{len(messages)} messages, at most {limits.max_batch_messages} per batch",
+            field="messages",
+        )
+    if not 0 <= auto_create_queues <= MAX_QUEUES:
+        raise InvalidQueue("auto_create_queues must be within 0..1024", "auto_create_queues")
+    if producer_id < 0 or producer_id >= 1 << 64:
+        raise InvalidArgument("producer_id must be within 0..2^64-1", field="producer_id")
+    if not 0 <= epoch < 1 << 32:
+        raise InvalidArgument("epoch must be within 0..2^32-1", field="epoch")
+    if base_seq < -1 or base_seq >= 1 << 62:
+        raise InvalidArgument("sequence must be >= 0", field="sequence")
+    if base_seq >= 0 and producer_id == 0:
+        raise InvalidArgument("a sequence needs a producer_id", field="producer_id")
+    records = [encode_record(m, limits, k) for k, m in enumerate(messages)]
+    body = b"".join(
+        [
+            _s8(topic, "topic"),
+            _PRODUCE_FIXED.pack(auto_create_queues, producer_id, epoch, base_seq, len(records)),
+            *records,
+        ]
+    )
+    if len(body) + HEADER_SIZE > limits.max_batch_bytes:
+        raise MessageTooLarge(
+            f"batch of {len(body) + HEADER_SIZE} bytes exceeds {limits.max_batch_bytes}",
+            "messages",
+            limit_bytes=limits.max_batch_bytes,
+        )
+    return _command(CommandKind.PRODUCE, ts_ms, body)
+
+
+def encode_topic(kind: CommandKind, topic: str, ts_ms: int, queues: int = 0) -> bytes:
+    check_name(topic)
+    if kind in (CommandKind.CREATE_TOPIC, CommandKind.UPDATE_TOPIC):
+        check_queue_count(queues)
+    elif kind is not CommandKind.DELETE_TOPIC:
+        raise ValueError(f"not a topic command: {kind!r}")
+    return _command(kind, ts_ms, _s8(topic, "topic") + _H.pack(queues))
+
+
+def encode_commit_offsets(group: str, offsets: Sequence[tuple[str, int, int]], ts_ms: int) -> bytes:
+    check_name(group, "group")
+    if not offsets or len(offsets) > 65535:
+        raise InvalidArgument("offsets must list 1..65535 items", field="offsets")
+    parts = [_s8(group, "group"), _H.pack(len(offsets))]
+    for k, (topic, queue, offset) in enumerate(offsets):
+        check_name(topic)
+        if not 0 <= queue < MAX_QUEUES:
+            raise InvalidQueue(f"queue must be within 0..{MAX_QUEUES - 1}", f"offsets[{k}].queue")
+        if not 0 <= offset < 1 << 62:
+            raise InvalidArgument("offset must be >= 0", field=f"offsets[{k}].offset")
+        parts.append(_s8(topic, "topic"))
+        parts.append(_OFFSET_ITEM.pack(queue, offset))
+    return _command(CommandKind.COMMIT_OFFSETS, ts_ms, b"".join(parts))
+
+
+def encode_reset_group(
+    group: str, topic: str, mode: ResetMode, ts_ms: int, timestamp_ms: int = 0
+) -> bytes:
+    check_name(group, "group")
+    check_name(topic)
+    return _command(
+        CommandKind.RESET_GROUP,
+        ts_ms,
+        _s8(group, "group") + _s8(topic, "topic") + _RESET_FIXED.pack(mode, timestamp_ms),
+    )
+
+
+def encode_register_producer(ts_ms: int, producer_id: int = 0) -> bytes:
+    if not 0 <= producer_id < 1 << 64:
+        raise InvalidArgument("producer_id must be within 0..2^64-1", field="producer_id")
+    return _command(CommandKind.REGISTER_PRODUCER, ts_ms, _Q.pack(producer_id))
+
+
+def encode_retention(
+    ts_ms: int, max_bytes: int = 0, max_age_ms: int = 0, producer_idle_ms: int = 0
+) -> bytes:
+    """Retention and producer-expiry policy, through the log so every replica
+    enforces the same one at the same entry."""
+    for name, v in (
+        ("max_bytes", max_bytes),
+        ("max_age_ms", max_age_ms),
+        ("producer_idle_ms", producer_idle_ms),
+    ):
+        if not 0 <= v < 1 << 62:
+            raise InvalidArgument(f"{name} must be >= 0 (0 = unlimited / unchanged)", field=name)
+    return _command(
+        CommandKind.SET_RETENTION, ts_ms, _RETENTION.pack(max_bytes, max_age_ms, producer_idle_ms)
+    )
+
+
+# ---------------------------------------------------------------------------
+# decoders (run at apply on every replica; they raise MalformedCommand)
+
+
+def is_command(data: bytes) -> bool:
+    return len(data) >= HEADER_SIZE and data[:4] == MAGIC
+
+
+class _Reader:
+    __slots__ = ("data", "pos")
+
+    def __init__(self, data: bytes, pos: int) -> None:
+        self.data = data
+        self.pos = pos
+
+    def take(self, n: int) -> bytes:
+        end = self.pos + n
+        if end > len(self.data):
+            raise MalformedCommand("truncated command")
+        b = self.data[self.pos : end]
+        self.pos = end
+        return b
+
+    def unpack(self, st: struct.Struct) -> tuple[int, ...]:
+        if self.pos + st.size > len(self.data):
+            raise MalformedCommand("truncated command")
+        v = st.unpack_from(self.data, self.pos)
+        self.pos += st.size
+        return v
+
+    def s8(self) -> str:
+        (n,) = self.unpack(_U8)
+        return self._str(n)
+
+    def s16(self) -> str:
+        (n,) = self.unpack(_U16)
+        return self._str(n)
+
+    def _str(self, n: int) -> str:
+        try:
+            return self.take(n).decode("utf-8")
+        except UnicodeDecodeError:
+            raise MalformedCommand("a string is not UTF-8") from None
+
+
+def decode_command(data: bytes) -> Command:
+    """Header, CRC and body of a command (records of a produce stay raw)."""
+    if not is_command(data):
+        raise MalformedCommand("not a broker command")
+    _, version, kind_raw, _flags, ts_ms, crc = _HDR.unpack_from(data, 0)
+    if version != COMMAND_VERSION:
+        raise MalformedCommand(f"command version {version} is not supported")
+    if zlib.crc32(memoryview(data)[HEADER_SIZE:]) != crc:
+        raise MalformedCommand("command CRC mismatch")
+    try:
+        kind = CommandKind(kind_raw)
+    except ValueError:
+        raise MalformedCommand(f"unknown command kind {kind_raw}") from None
+    r = _Reader(data, HEADER_SIZE)
+    body: Body
+    if kind is CommandKind.PRODUCE:
+        topic = r.s8()
+        auto, pid, epoch, base_seq, count = r.unpack(_PRODUCE_FIXED)
+        body = Produce(topic, auto, pid, epoch, base_seq, count, r.pos)
+    elif kind in (CommandKind.CREATE_TOPIC, CommandKind.UPDATE_TOPIC, CommandKind.DELETE_TOPIC):
+        topic = r.s8()
+        (queues,) = r.unpack(_H)
+        body = TopicCmd(topic, queues)
+    elif kind is CommandKind.COMMIT_OFFSETS:
+        group = r.s8()
+        (n,) = r.unpack(_H)
+        items = []
+        for _ in range(n):
+            t = r.s8()
+            q, off = r.unpack(_OFFSET_ITEM)
+            items.append((t, q, off))
+        body = CommitOffsets(group, tuple(items))
+    elif kind is CommandKind.RESET_GROUP:
+        group = r.s8()
+        topic = r.s8()
+        mode_raw, tsv = r.unpack(_RESET_FIXED)
+        try:
+            mode = ResetMode(mode_raw)
+        except ValueError:
+            raise MalformedCommand(f"unknown reset mode {mode_raw}") from None
+        body = ResetGroup(group, topic, mode, tsv)
+    elif kind is CommandKind.REGISTER_PRODUCER:
+        (pid,) = r.unpack(_Q)
+        body = RegisterProducer(pid)
+    else:
+        mb, ma, idle = r.unpack(_RETENTION)
+        body = SetRetention(mb, ma, idle)
+    if kind is not CommandKind.PRODUCE and r.pos != len(data):
+        raise MalformedCommand("trailing bytes after the command")
+    return Command(kind, ts_ms, body)
+
+
+def record_header(data: bytes, pos: int) -> tuple[int, int, str, int]:
+    """(size, requested queue, sharding key, crc32 of tag) of the record at
+    ``pos``, without checking its CRC: the apply fast path."""
+    if pos + _REC_FIXED.size > len(data):
+        raise MalformedCommand("truncated record")
+    size, _crc, _ver, _born, queue = _REC_FIXED.unpack_from(data, pos)
+    if size < _REC_FIXED.size or pos + size > len(data):
+        raise MalformedCommand("record length out of bounds")
+    p = pos + _REC_FIXED.size
+    (n,) = _U16.unpack_from(data, p)
+    shard = data[p + 2 : p + 2 + n].decode("utf-8", "replace") if n else ""
+    p += 2 + n
+    (n,) = _U16.unpack_from(data, p)
+    tag_hash = zlib.crc32(data[p + 2 : p + 2 + n]) if n else 0
+    return size, queue, shard, tag_hash
+
+
+def tag_hash(tag: str) -> int:
+    return zlib.crc32(tag.encode("utf-8")) if tag else 0
+
+
+def decode_record(rec: bytes) -> Record:
+    """A whole record; checks its length, version and CRC."""
+    if len(rec) < _REC_FIXED.size:
+        raise MalformedCommand("truncated record")
+    size, crc, ver, born, queue = _REC_FIXED.unpack_from(rec, 0)
+    if size != len(rec) or zlib.crc32(memoryview(rec)[8:]) != crc:
+        raise MalformedCommand("record CRC or length mismatch")
+    if ver != RECORD_VERSION:
+        raise MalformedCommand(f"record version {ver} is not supported")
+    r = _Reader(rec, _REC_FIXED.size)
+    shard = r.s16()
+    tag = r.s16()
+    (nk,) = r.unpack(_U16)
+    keys = tuple(r.s16() for _ in range(nk))
+    (np_,) = r.unpack(_U16)
+    props = tuple((r.s16(), r.s16()) for _ in range(np_))
+    (nb,) = r.unpack(_U32)
+    body = r.take(nb)
+    return Record(born, queue, shard, tag, keys, props, body)
+
+
+# ---------------------------------------------------------------------------
+# snapshot value format
+
+Value = None | bool | int | bytes | str | list["Value"] | dict[object, "Value"]
+_I64 = struct.Struct(">q")
+
+
+def dump_value(v: object, out: list[bytes]) -> None:
+    if v is None:
+        out.append(b"N")
+    elif v is True:
+        out.append(b"T")
+    elif v is False:
+        out.append(b"F")
+    elif isinstance(v, int):
+        if -(1 << 63) <= v < 1 << 63:
+            out.append(b"i" + _I64.pack(v))
+        else:
+            raw = str(v).encode()
+            out.append(b"I" + _U32.pack(len(raw)) + raw)
+    elif isinstance(v, bytes | bytearray | memoryview):
+        b = bytes(v)
+        out.append(b"b" + _U32.pack(len(b)) + b)
+    elif isinstance(v, str):
+        b = v.encode("utf-8")
+        out.append(b"s" + _U32.pack(len(b)) + b)
+    elif isinstance(v, list | tuple):
+        out.append(b"l" + _U32.pack(len(v)))
+        for x in v:
+            dump_value(x, out)
+    elif isinstance(v, Mapping):
+        items = []
+        for k, x in v.items():
+            kb: list[bytes] = []
+            dump_value(k, kb)
+            items.append((b"".join(kb), x))
+        items.sort(key=lambda kv: kv[0])
+        out.append(b"d" + _U32.pack(len(items)))
+        for kb2, x in items:
+            out.append(kb2)
+            dump_value(x, out)
+    else:
+        raise TypeError(f"cannot snapshot a {type(v).__name__}")
+
+
+def load_value(data: bytes, pos: int = 0) -> tuple[object, int]:
+    try:
+        t = data[pos : pos + 1]
+        pos += 1
+        if t == b"N":
+            return None, pos
+        if t == b"T":
+            return True, pos
+        if t == b"F":
+            return False, pos
+        if t == b"i":
+            return _I64.unpack_from(data, pos)[0], pos + 8
+        if t in (b"I", b"b", b"s"):
+            (n,) = _U32.unpack_from(data, pos)
+            pos += 4
+            raw = data[pos : pos + n]
+            if len(raw) != n:
+                raise MalformedCommand("truncated snapshot")
+            pos += n
+            if t == b"b":
+                return raw, pos
+            return (int(raw) if t == b"I" else raw.decode("utf-8")), pos
+        if t == b"l":
+            (n,) = _U32.unpack_from(data, pos)
+            pos += 4
+            lst: list[object] = []
+            for _ in range(n):
+                x, pos = load_value(data, pos)
+                lst.append(x)
+            return lst, pos
+        if t == b"d":
+            (n,) = _U32.unpack_from(data, pos)
+            pos += 4
+            d: dict[object, object] = {}
+            for _ in range(n):
+                k, pos = load_value(data, pos)
+                x, pos = load_value(data, pos)
+                if isinstance(k, list):
+                    k = tuple(k)
+                d[k] = x
+            return d, pos
+    except (struct.error, UnicodeDecodeError, ValueError) as exc:
+        raise MalformedCommand(f"snapshot does not decode: {exc}") from None
+    raise MalformedCommand(f"unknown snapshot value tag {t!r}")

@@ -1,0 +1,45 @@
+"""What a node applies when it runs the broker: the broker state plus the
+replica records (``LogStateMachine``) that ``/raft/applied`` and
+``/raft/messages`` serve.
+
+Entries that are broker commands go to :class:`BrokerState` and its result
+(or refusal) is the proposal's answer; any other NORMAL entry (raw
+``/raft/propose`` payloads) keeps its old answer, the CRC. Listeners are
+called after each applied entry (the HTTP layer wakes long-polls with one);
+they run on the node's loop and must only schedule work, never block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from broker_adapter.codec import is_command
+from broker_adapter.state import BrokerState
+from dledger.core.types import Entry
+from dledger.statemachine import LogStateMachine
+
+
+class BrokerStateMachine(LogStateMachine):
+    def __init__(self, broker: BrokerState | None = None, broker_name: str = "dledger") -> None:
+        super().__init__()
+        self.broker = broker if broker is not None else BrokerState(broker_name)
+        self._listeners: list[Callable[[], None]] = []
+
+    def __bool__(self) -> bool:
+        # LogStateMachine has __len__ (0 when empty); a state machine object
+        # must stay truthy (Node uses ``state_machine or LogStateMachine()``).
+        return True
+
+    def add_listener(self, fn: Callable[[], None]) -> None:
+        self._listeners.append(fn)
+
+    def remove_listener(self, fn: Callable[[], None]) -> None:
+        if fn in self._listeners:
+            self._listeners.remove(fn)
+
+    def apply(self, entry: Entry) -> object:
+        crc = super().apply(entry)
+        result = self.broker.apply(entry)
+        for fn in tuple(self._listeners):
+            fn()
+        return result if is_command(entry.data) else crc

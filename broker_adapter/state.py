@@ -1,0 +1,879 @@
+"""The broker: RocketMQ CommitLog semantics as a deterministic state machine.
+
+Theory of operation
+-------------------
+:class:`BrokerState` is fed committed Raft entries, in log order, and
+nothing else: no clock, no randomness, no I/O. Every replica (learners
+included) that applied the same entries holds the same state, so
+:meth:`BrokerState.snapshot` returns the same bytes on each of them.
+
+* **Offsets.** Entry ``i`` occupies ``[pos, pos + len(data))`` of the
+  CommitLog. A produce entry holds message records back to back; the record
+  at byte ``o`` of the entry has physical offset ``pos + o`` and its own
+  length as size. Each message gets the next queue offset of its
+  (topic, queue). The **confirm offset** is the end of the last applied
+  entry (of any type); it never moves backwards (asserted), and since only
+  committed entries reach ``apply`` it never passes the commit index.
+* **Time.** The leader stamps every command with its wall clock when it
+  proposes; ``now`` is the largest stamp applied so far (so it never goes
+  backwards even across leaders with skewed clocks). Store timestamps,
+  producer expiry and age retention all use ``now``, never the local clock.
+* **Errors.** A command that cannot apply (unknown topic, sequence gap...)
+  changes nothing and its :class:`BrokerError` is *returned* as the entry's
+  result, identically on every replica; ``apply`` raises only on a broken
+  invariant (entries out of order, the CommitLog moving backwards).
+* **Idempotent producers.** State per producer id: epoch and last activity;
+  per (topic, queue): the last sequence and a window of the last
+  ``DEDUP_WINDOW`` batches with their acknowledgements. A batch whose first
+  sequence is in the window is answered with the original offsets and not
+  stored again. An idempotent batch goes to one queue (like a Kafka
+  producer batch to one partition): its explicit queue, its sharding key's
+  hash, or else the producer id's hash, so a retry lands in the same queue.
+* **Retention** drops the oldest messages (by physical offset) while the
+  total stored bytes exceed the limit, or by age at each sweep; queue
+  offsets never change, the queue's min offset just advances.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import struct
+import sys
+import zlib
+from array import array
+from dataclasses import dataclass, field
+
+from broker_adapter import codec
+from broker_adapter.codec import (
+    Command,
+    CommandKind,
+    CommitOffsets,
+    Produce,
+    RegisterProducer,
+    ResetGroup,
+    ResetMode,
+    SetRetention,
+    TopicCmd,
+    dump_value,
+    load_value,
+)
+from broker_adapter.errors import (
+    BrokerError,
+    DuplicateSequence,
+    InvalidArgument,
+    InvalidQueue,
+    MalformedCommand,
+    OffsetOutOfRange,
+    ProducerFenced,
+    SequenceGap,
+    TopicExists,
+    UnknownProducer,
+    UnknownTopic,
+)
+from dledger.core.types import Entry, EntryType
+from dledger.errors import InvariantViolation
+
+DEDUP_WINDOW = 5
+DEFAULT_PRODUCER_IDLE_MS = 7 * 24 * 3600 * 1000
+SWEEP_INTERVAL_MS = 1000
+MAX_SCAN = 10_000  # entries a filtered read looks at before returning
+SNAPSHOT_MAGIC = b"BSNP"
+SNAPSHOT_VERSION = 1
+_SNAP_HDR = struct.Struct(">4sBI")
+
+
+@dataclass(frozen=True, slots=True)
+class MessageAck:
+    queue: int
+    queue_offset: int
+    phys_offset: int
+    size: int
+    msg_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ProduceResult:
+    topic: str
+    acks: tuple[MessageAck, ...]
+    store_ts_ms: int
+    duplicate: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class QueueInfo:
+    queue: int
+    min_offset: int
+    max_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class TopicInfo:
+    name: str
+    queues: tuple[QueueInfo, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerResult:
+    producer_id: int
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class OffsetsResult:
+    group: str
+    offsets: tuple[tuple[str, int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionResult:
+    max_bytes: int
+    max_age_ms: int
+    producer_idle_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class TopicDeleted:
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class StoredMessage:
+    topic: str
+    queue: int
+    queue_offset: int
+    phys_offset: int
+    size: int
+    msg_id: str
+    store_ts_ms: int
+    born_ts_ms: int
+    tag: str
+    keys: tuple[str, ...]
+    properties: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ReadResult:
+    messages: tuple[StoredMessage, ...]
+    next_offset: int
+    min_offset: int
+    max_offset: int
+
+
+class _Queue:
+    """One ConsumeQueue: queue offset -> (physical offset, size, tag hash),
+    plus the store timestamp (reset by time, age retention) and the record.
+
+    Arrays index ``k`` holds queue offset ``base + k``; ``start`` is the first
+    retained index (retention clears the front lazily, then compacts)."""
+
+    __slots__ = ("base", "phys", "recs", "sizes", "start", "tags", "ts")
+
+    def __init__(self, base: int = 0) -> None:
+        self.base = base
+        self.start = 0
+        self.phys = array("q")
+        self.sizes = array("i")
+        self.tags = array("I")
+        self.ts = array("q")
+        self.recs: list[bytes] = []
+
+    @property
+    def min_offset(self) -> int:
+        return self.base + self.start
+
+    @property
+    def max_offset(self) -> int:
+        return self.base + len(self.phys)
+
+    def head_phys(self) -> int | None:
+        return self.phys[self.start] if self.start < len(self.phys) else None
+
+
+@dataclass(slots=True)
+class _Topic:
+    name: str
+    queues: list[_Queue]
+    rr: int = 0
+
+
+@dataclass(slots=True)
+class _Seq:
+    last_seq: int
+    batches: list[tuple[int, int, tuple[MessageAck, ...], int]] = field(default_factory=list)
+    # (base_seq, count, acks, store_ts)
+
+
+@dataclass(slots=True)
+class _Producer:
+    epoch: int
+    last_ts: int
+    seqs: dict[tuple[str, int], _Seq] = field(default_factory=dict)
+
+
+def _u64_bytes(a: array[int]) -> bytes:
+    b = array(a.typecode, a)
+    if sys.byteorder == "little":
+        b.byteswap()
+    return b.tobytes()
+
+
+def _from_bytes(typecode: str, raw: bytes) -> array[int]:
+    a = array(typecode)
+    a.frombytes(raw)
+    if sys.byteorder == "little":
+        a.byteswap()
+    return a
+
+
+class BrokerState:
+    """See the module docstring. Public reads never mutate state."""
+
+    def __init__(self, broker_name: str = "dledger") -> None:
+        self.broker_name = broker_name
+        self._id_prefix = f"{zlib.crc32(broker_name.encode()):08X}"
+        self.applied_index = 0
+        self.confirm_offset = 0
+        self.now_ms = 0
+        self._last_sweep_ms = 0
+        self.epochs: dict[int, int] = {}
+        self._topics: dict[str, _Topic] = {}
+        self._groups: dict[str, dict[tuple[str, int], int]] = {}
+        self._producers: dict[int, _Producer] = {}
+        self._next_pid = 1
+        self.retention_max_bytes = 0
+        self.retention_max_age_ms = 0
+        self.producer_idle_ms = DEFAULT_PRODUCER_IDLE_MS
+        self.stored_bytes = 0
+        self.stored_messages = 0
+
+    # ======================================================================
+    # apply
+    # ======================================================================
+    def apply(self, entry: Entry) -> object:
+        """Apply one committed entry. Returns the command's result, a
+        BrokerError the command was refused with, or None (not a command)."""
+        if entry.index <= self.applied_index:
+            raise InvariantViolation(
+                f"entry {entry.index} applied after {self.applied_index}: apply order broken"
+            )
+        end = entry.end_pos
+        if end < self.confirm_offset:
+            raise InvariantViolation(
+                f"entry {entry.index} ends at {end}, before the confirm offset "
+                f"{self.confirm_offset}: the CommitLog moved backwards"
+            )
+        self.applied_index = entry.index
+        if entry.term not in self.epochs:
+            self.epochs[entry.term] = entry.pos
+        result: object = None
+        if entry.type is EntryType.NORMAL and codec.is_command(entry.data):
+            try:
+                cmd = codec.decode_command(entry.data)
+                if cmd.ts_ms > self.now_ms:
+                    self.now_ms = cmd.ts_ms
+                self._maybe_sweep()
+                result = self._dispatch(cmd, entry)
+            except BrokerError as exc:
+                result = exc
+            except (struct.error, UnicodeDecodeError) as exc:
+                result = MalformedCommand(f"command does not decode: {exc}")
+        self.confirm_offset = end
+        return result
+
+    def _dispatch(self, cmd: Command, entry: Entry) -> object:
+        b = cmd.body
+        if isinstance(b, Produce):
+            return self._produce(b, entry)
+        if isinstance(b, TopicCmd):
+            if cmd.kind is CommandKind.CREATE_TOPIC:
+                return self._create_topic(b.topic, b.queues)
+            if cmd.kind is CommandKind.UPDATE_TOPIC:
+                return self._update_topic(b.topic, b.queues)
+            return self._delete_topic(b.topic)
+        if isinstance(b, CommitOffsets):
+            return self._commit_offsets(b)
+        if isinstance(b, ResetGroup):
+            return self._reset_group(b)
+        if isinstance(b, RegisterProducer):
+            return self._register_producer(b.producer_id)
+        if isinstance(b, SetRetention):
+            return self._set_retention(b)
+        raise MalformedCommand(f"no handler for {cmd.kind!r}")
+
+    # -- topics ---------------------------------------------------------------
+    def _create_topic(self, name: str, queues: int) -> TopicInfo:
+        codec.check_name(name)
+        codec.check_queue_count(queues)
+        if name in self._topics:
+            raise TopicExists(f"topic {name!r} already exists", field="topic")
+        self._topics[name] = _Topic(name, [_Queue() for _ in range(queues)])
+        return self.topic(name)
+
+    def _update_topic(self, name: str, queues: int) -> TopicInfo:
+        t = self._topic(name)
+        codec.check_queue_count(queues)
+        if queues < len(t.queues):
+            raise InvalidQueue(
+                f"topic {name!r} has {len(t.queues)} queues; the count can only grow "
+                "(queue offsets of removed queues would be lost)",
+                "queues",
+            )
+        t.queues.extend(_Queue() for _ in range(queues - len(t.queues)))
+        return self.topic(name)
+
+    def _delete_topic(self, name: str) -> TopicDeleted:
+        t = self._topic(name)
+        for q in t.queues:
+            self.stored_bytes -= sum(q.sizes[q.start :])
+            self.stored_messages -= len(q.phys) - q.start
+        del self._topics[name]
+        for offs in self._groups.values():
+            for key in [k for k in offs if k[0] == name]:
+                del offs[key]
+        for p in self._producers.values():
+            for key in [k for k in p.seqs if k[0] == name]:
+                del p.seqs[key]
+        return TopicDeleted(name)
+
+    # -- produce ------------------------------------------------------------
+    def _produce(self, p: Produce, entry: Entry) -> ProduceResult:
+        data = entry.data
+        t = self._topics.get(p.topic)
+        nq = len(t.queues) if t is not None else p.auto_create_queues
+        if t is None:
+            codec.check_name(p.topic)
+            if not p.auto_create_queues:
+                raise UnknownTopic(f"topic {p.topic!r} does not exist", field="topic")
+            codec.check_queue_count(p.auto_create_queues)
+        if p.count < 1:
+            raise MalformedCommand("a produce command without messages")
+        # 1. Scan and resolve everything; nothing changes before all checks pass.
+        pos = p.records_start
+        heads: list[tuple[int, int, int, int]] = []  # (entry offset, size, queue, tag hash)
+        rr = t.rr if t is not None else 0
+        idem = p.base_seq >= 0
+        for k in range(p.count):
+            size, q, shard, th = codec.record_header(data, pos)
+            if q >= 0:
+                if q >= nq:
+                    raise InvalidQueue(
+                        f"queue {q} does not exist: topic {p.topic!r} has {nq} queues",
+                        f"messages[{k}].queue",
+                    )
+            elif shard:
+                q = zlib.crc32(shard.encode("utf-8")) % nq
+            elif idem:
+                q = zlib.crc32(struct.pack(">Q", p.producer_id)) % nq
+            else:
+                q = rr % nq
+                rr += 1
+            heads.append((pos, size, q, th))
+            pos += size
+        if pos != len(data):
+            raise MalformedCommand("bytes after the last record")
+        seq_state: _Seq | None = None
+        prod: _Producer | None = None
+        queue_of_batch = heads[0][2]
+        if idem:
+            if any(h[2] != queue_of_batch for h in heads):
+                raise InvalidQueue(
+                    "an idempotent batch must go to one queue (give one queue or one "
+                    "sharding key for all its messages)",
+                    "messages",
+                )
+            prod = self._live_producer(p.producer_id)
+            if p.epoch < prod.epoch:
+                raise ProducerFenced(
+                    f"producer {p.producer_id} epoch {p.epoch} is fenced by epoch {prod.epoch}",
+                    field="epoch",
+                    current_epoch=prod.epoch,
+                )
+            if p.epoch > prod.epoch:
+                raise InvalidArgument(
+                    f"producer {p.producer_id} has epoch {prod.epoch}, not {p.epoch}",
+                    field="epoch",
+                )
+            seq_state = prod.seqs.get((p.topic, queue_of_batch))
+            last = seq_state.last_seq if seq_state is not None else -1
+            if p.base_seq <= last:
+                assert seq_state is not None
+                for base, count, old_acks, ts in seq_state.batches:
+                    if base == p.base_seq and count == p.count:
+                        prod.last_ts = self.now_ms
+                        return ProduceResult(p.topic, old_acks, ts, duplicate=True)
+                raise DuplicateSequence(
+                    f"sequence {p.base_seq} was already written and is no longer in the "
+                    f"retry window (last sequence {last})",
+                    field="sequence",
+                    last_sequence=last,
+                )
+            if p.base_seq != last + 1:
+                raise SequenceGap(
+                    f"sequence {p.base_seq} skips ahead: the next one for producer "
+                    f"{p.producer_id} on {p.topic}/{queue_of_batch} is {last + 1}",
+                    field="sequence",
+                    expected_sequence=last + 1,
+                )
+        # 2. Mutate.
+        if t is None:
+            t = _Topic(p.topic, [_Queue() for _ in range(nq)])
+            self._topics[p.topic] = t
+        t.rr = rr
+        now = self.now_ms
+        acks: list[MessageAck] = []
+        base_pos = entry.pos
+        for off, size, q, th in heads:
+            cq = t.queues[q]
+            qoff = cq.max_offset
+            phys = base_pos + off
+            cq.phys.append(phys)
+            cq.sizes.append(size)
+            cq.tags.append(th)
+            cq.ts.append(now)
+            cq.recs.append(data[off : off + size])
+            acks.append(MessageAck(q, qoff, phys, size, self.msg_id(phys)))
+            self.stored_bytes += size
+        self.stored_messages += len(heads)
+        result = ProduceResult(p.topic, tuple(acks), now)
+        if idem:
+            assert prod is not None
+            key = (p.topic, queue_of_batch)
+            if seq_state is None:
+                seq_state = prod.seqs[key] = _Seq(-1)
+            seq_state.last_seq = p.base_seq + p.count - 1
+            seq_state.batches.append((p.base_seq, p.count, result.acks, now))
+            if len(seq_state.batches) > DEDUP_WINDOW:
+                del seq_state.batches[0]
+            prod.last_ts = now
+        if self.retention_max_bytes and self.stored_bytes > self.retention_max_bytes:
+            self._enforce_size()
+        return result
+
+    def msg_id(self, phys_offset: int) -> str:
+        """RocketMQ-style: the broker's identity, then the physical offset, in hex."""
+        return f"{self._id_prefix}{phys_offset:016X}"
+
+    # -- producers ------------------------------------------------------------
+    def _live_producer(self, pid: int) -> _Producer:
+        prod = self._producers.get(pid)
+        if prod is None or self._expired(prod):
+            raise UnknownProducer(
+                f"producer {pid} is not registered (or expired after "
+                f"{self.producer_idle_ms} ms idle); register it again",
+                field="producer_id",
+            )
+        return prod
+
+    def _expired(self, prod: _Producer) -> bool:
+        return prod.last_ts + self.producer_idle_ms < self.now_ms
+
+    def _register_producer(self, pid: int) -> ProducerResult:
+        if pid == 0:
+            pid = self._next_pid
+            self._next_pid += 1
+            self._producers[pid] = _Producer(0, self.now_ms)
+            return ProducerResult(pid, 0)
+        old = self._producers.get(pid)
+        if pid >= self._next_pid:
+            raise UnknownProducer(f"producer id {pid} was never assigned", field="producer_id")
+        epoch = old.epoch + 1 if old is not None else 0
+        # A new epoch fences the old one and starts its sequences afresh.
+        self._producers[pid] = _Producer(epoch, self.now_ms)
+        return ProducerResult(pid, epoch)
+
+    # -- consumer groups --------------------------------------------------------
+    def _commit_offsets(self, c: CommitOffsets) -> OffsetsResult:
+        for k, (topic, q, off) in enumerate(c.offsets):
+            t = self._topic(topic)
+            if not 0 <= q < len(t.queues):
+                raise InvalidQueue(
+                    f"queue {q} does not exist: topic {topic!r} has {len(t.queues)} queues",
+                    f"offsets[{k}].queue",
+                )
+            cq = t.queues[q]
+            if off > cq.max_offset:
+                raise OffsetOutOfRange(
+                    f"offset {off} is past the end of {topic}/{q}",
+                    cq.min_offset,
+                    cq.max_offset,
+                    f"offsets[{k}].offset",
+                )
+        offs = self._groups.setdefault(c.group, {})
+        for topic, q, off in c.offsets:
+            offs[(topic, q)] = off
+        return OffsetsResult(c.group, c.offsets)
+
+    def _reset_group(self, r: ResetGroup) -> OffsetsResult:
+        t = self._topic(r.topic)
+        out = []
+        for q, cq in enumerate(t.queues):
+            if r.mode is ResetMode.EARLIEST:
+                off = cq.min_offset
+            elif r.mode is ResetMode.LATEST:
+                off = cq.max_offset
+            else:
+                k = bisect.bisect_left(cq.ts, r.timestamp_ms, cq.start)
+                off = cq.base + k
+            out.append((r.topic, q, off))
+        offs = self._groups.setdefault(r.group, {})
+        for topic, q, off in out:
+            offs[(topic, q)] = off
+        return OffsetsResult(r.group, tuple(out))
+
+    # -- retention and expiry -------------------------------------------------
+    def _set_retention(self, s: SetRetention) -> RetentionResult:
+        self.retention_max_bytes = s.max_bytes
+        self.retention_max_age_ms = s.max_age_ms
+        if s.producer_idle_ms:
+            self.producer_idle_ms = s.producer_idle_ms
+        if self.retention_max_bytes and self.stored_bytes > self.retention_max_bytes:
+            self._enforce_size()
+        if self.retention_max_age_ms:
+            self._enforce_age()
+        return RetentionResult(s.max_bytes, s.max_age_ms, self.producer_idle_ms)
+
+    def _maybe_sweep(self) -> None:
+        if self.now_ms - self._last_sweep_ms < SWEEP_INTERVAL_MS:
+            return
+        self._last_sweep_ms = self.now_ms
+        for pid in sorted(self._producers):
+            if self._expired(self._producers[pid]):
+                del self._producers[pid]
+        if self.retention_max_age_ms:
+            self._enforce_age()
+
+    def _drop_head(self, cq: _Queue) -> None:
+        size = cq.sizes[cq.start]
+        cq.recs[cq.start] = b""
+        cq.start += 1
+        self.stored_bytes -= size
+        self.stored_messages -= 1
+        if cq.start >= 1024 and cq.start * 2 >= len(cq.phys):
+            s = cq.start
+            del cq.phys[:s], cq.sizes[:s], cq.tags[:s], cq.ts[:s], cq.recs[:s]
+            cq.base += s
+            cq.start = 0
+
+    def _all_queues(self) -> list[_Queue]:
+        return [q for name in sorted(self._topics) for q in self._topics[name].queues]
+
+    def _enforce_size(self) -> None:
+        qs = self._all_queues()
+        heap = [(h, k) for k, q in enumerate(qs) if (h := q.head_phys()) is not None]
+        heapq.heapify(heap)
+        while self.stored_bytes > self.retention_max_bytes and heap:
+            _, k = heapq.heappop(heap)
+            cq = qs[k]
+            self._drop_head(cq)
+            h = cq.head_phys()
+            if h is not None:
+                heapq.heappush(heap, (h, k))
+
+    def _enforce_age(self) -> None:
+        cutoff = self.now_ms - self.retention_max_age_ms
+        for cq in self._all_queues():
+            while cq.start < len(cq.ts) and cq.ts[cq.start] < cutoff:
+                self._drop_head(cq)
+
+    # ======================================================================
+    # reads (never mutate)
+    # ======================================================================
+    def _topic(self, name: str) -> _Topic:
+        t = self._topics.get(name)
+        if t is None:
+            codec.check_name(name)
+            raise UnknownTopic(f"topic {name!r} does not exist", field="topic")
+        return t
+
+    def _queue(self, topic: str, queue: int) -> _Queue:
+        t = self._topic(topic)
+        if not 0 <= queue < len(t.queues):
+            raise InvalidQueue(
+                f"queue {queue} does not exist: topic {topic!r} has {len(t.queues)} queues",
+                "queue",
+            )
+        return t.queues[queue]
+
+    def has_topic(self, name: str) -> bool:
+        return name in self._topics
+
+    def topic_names(self) -> list[str]:
+        return sorted(self._topics)
+
+    def topic(self, name: str) -> TopicInfo:
+        t = self._topic(name)
+        return TopicInfo(
+            name,
+            tuple(QueueInfo(k, q.min_offset, q.max_offset) for k, q in enumerate(t.queues)),
+        )
+
+    def queue_range(self, topic: str, queue: int) -> tuple[int, int]:
+        q = self._queue(topic, queue)
+        return q.min_offset, q.max_offset
+
+    def read(
+        self,
+        topic: str,
+        queue: int,
+        offset: int,
+        max_messages: int = 32,
+        max_bytes: int = 1 << 20,
+        tag: str | None = None,
+    ) -> ReadResult:
+        """Messages of ``topic``/``queue`` from queue offset ``offset``: at most
+        ``max_messages``, and at most ``max_bytes`` of records except that the
+        first one is always returned. ``tag``: "a||b" keeps messages tagged a
+        or b ("*" or None: all). Raises OffsetOutOfRange below the min or
+        past the max offset (``offset == max`` is an empty answer)."""
+        cq = self._queue(topic, queue)
+        lo, hi = cq.min_offset, cq.max_offset
+        if not lo <= offset <= hi:
+            raise OffsetOutOfRange(
+                f"offset {offset} is outside {topic}/{queue}'s range [{lo}, {hi}]", lo, hi
+            )
+        wanted: dict[int, set[str]] | None = None
+        if tag and tag != "*":
+            wanted = {}
+            for tg in (x.strip() for x in tag.split("||")):
+                if tg:
+                    wanted.setdefault(codec.tag_hash(tg), set()).add(tg)
+        out: list[StoredMessage] = []
+        used = 0
+        k = offset - cq.base
+        end = len(cq.phys)
+        scanned = 0
+        while k < end and len(out) < max_messages and scanned < MAX_SCAN:
+            size = cq.sizes[k]
+            if out and used + size > max_bytes:
+                break
+            scanned += 1
+            if wanted is not None and cq.tags[k] not in wanted:
+                k += 1
+                continue
+            m = self._message(topic, queue, cq, k)
+            k += 1
+            if wanted is not None and m.tag not in wanted.get(cq.tags[k - 1], ()):
+                continue
+            out.append(m)
+            used += size
+        return ReadResult(tuple(out), cq.base + k, lo, hi)
+
+    def _message(self, topic: str, queue: int, cq: _Queue, k: int) -> StoredMessage:
+        rec = codec.decode_record(cq.recs[k])
+        phys = cq.phys[k]
+        return StoredMessage(
+            topic,
+            queue,
+            cq.base + k,
+            phys,
+            cq.sizes[k],
+            self.msg_id(phys),
+            cq.ts[k],
+            rec.born_ts_ms,
+            rec.tag,
+            rec.keys,
+            rec.properties,
+            rec.body,
+        )
+
+    def group_offsets(self, group: str, topic: str | None = None) -> dict[tuple[str, int], int]:
+        offs = self._groups.get(group, {})
+        return {k: v for k, v in sorted(offs.items()) if topic is None or k[0] == topic}
+
+    def groups(self) -> list[str]:
+        return sorted(self._groups)
+
+    def producer(self, pid: int) -> ProducerResult | None:
+        p = self._producers.get(pid)
+        if p is None or self._expired(p):
+            return None
+        return ProducerResult(pid, p.epoch)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "applied_index": self.applied_index,
+            "confirm_offset": self.confirm_offset,
+            "topics": len(self._topics),
+            "stored_messages": self.stored_messages,
+            "stored_bytes": self.stored_bytes,
+            "producers": len(self._producers),
+            "groups": len(self._groups),
+        }
+
+    # ======================================================================
+    # snapshot / restore
+    # ======================================================================
+    def _to_value(self) -> dict[str, object]:
+        topics: dict[str, object] = {}
+        for name, t in self._topics.items():
+            qs = []
+            for q in t.queues:
+                s = q.start
+                qs.append(
+                    [
+                        q.min_offset,
+                        _u64_bytes(array("q", q.phys[s:])),
+                        _u64_bytes(array("q", q.sizes[s:])),
+                        _u64_bytes(array("q", q.tags[s:])),
+                        _u64_bytes(array("q", q.ts[s:])),
+                        q.recs[s:],
+                    ]
+                )
+            topics[name] = [t.rr, qs]
+        groups = {
+            g: {f"{tp}\x00{q}": off for (tp, q), off in offs.items()}
+            for g, offs in self._groups.items()
+        }
+        producers: dict[int, object] = {}
+        for pid, p in self._producers.items():
+            seqs: dict[str, object] = {}
+            for (tp, qn), st in p.seqs.items():
+                seqs[f"{tp}\x00{qn}"] = [
+                    st.last_seq,
+                    [
+                        [
+                            base,
+                            count,
+                            ts,
+                            [[a.queue, a.queue_offset, a.phys_offset, a.size] for a in acks],
+                        ]
+                        for base, count, acks, ts in st.batches
+                    ],
+                ]
+            producers[pid] = [p.epoch, p.last_ts, seqs]
+        return {
+            "broker": self.broker_name,
+            "applied": self.applied_index,
+            "confirm": self.confirm_offset,
+            "now": self.now_ms,
+            "last_sweep": self._last_sweep_ms,
+            "epochs": dict(self.epochs),
+            "next_pid": self._next_pid,
+            "retention": [
+                self.retention_max_bytes,
+                self.retention_max_age_ms,
+                self.producer_idle_ms,
+            ],
+            "stored": [self.stored_bytes, self.stored_messages],
+            "topics": topics,
+            "groups": groups,
+            "producers": producers,
+        }
+
+    def snapshot(self) -> bytes:
+        """The whole state at ``applied_index``: deterministic bytes (equal
+        states give equal snapshots), versioned and CRC-checked."""
+        parts: list[bytes] = []
+        dump_value(self._to_value(), parts)
+        payload = b"".join(parts)
+        return _SNAP_HDR.pack(SNAPSHOT_MAGIC, SNAPSHOT_VERSION, zlib.crc32(payload)) + payload
+
+    @classmethod
+    def restore(cls, data: bytes) -> BrokerState:
+        """The state a snapshot was taken from; raises MalformedCommand."""
+        if len(data) < _SNAP_HDR.size:
+            raise MalformedCommand("snapshot is truncated")
+        magic, version, crc = _SNAP_HDR.unpack_from(data, 0)
+        if magic != SNAPSHOT_MAGIC:
+            raise MalformedCommand("not a broker snapshot")
+        if version != SNAPSHOT_VERSION:
+            raise MalformedCommand(f"snapshot version {version} is not supported")
+        payload = data[_SNAP_HDR.size :]
+        if zlib.crc32(payload) != crc:
+            raise MalformedCommand("snapshot CRC mismatch")
+        v, end = load_value(payload)
+        if end != len(payload) or not isinstance(v, dict):
+            raise MalformedCommand("snapshot has trailing bytes or a wrong shape")
+        try:
+            return cls._from_value(v)
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise MalformedCommand(f"snapshot has a wrong shape: {exc!r}") from None
+
+    @classmethod
+    def _from_value(cls, v: dict[object, object]) -> BrokerState:
+        def d(x: object) -> dict[object, object]:
+            if not isinstance(x, dict):
+                raise TypeError("expected a map")
+            return x
+
+        def lst(x: object) -> list[object]:
+            if not isinstance(x, list):
+                raise TypeError("expected a list")
+            return x
+
+        def i(x: object) -> int:
+            if not isinstance(x, int):
+                raise TypeError("expected an int")
+            return x
+
+        def b(x: object) -> bytes:
+            if not isinstance(x, bytes):
+                raise TypeError("expected bytes")
+            return x
+
+        def s(x: object) -> str:
+            if not isinstance(x, str):
+                raise TypeError("expected a string")
+            return x
+
+        st = cls(s(v["broker"]))
+        st.applied_index = i(v["applied"])
+        st.confirm_offset = i(v["confirm"])
+        st.now_ms = i(v["now"])
+        st._last_sweep_ms = i(v["last_sweep"])
+        st.epochs = {i(k): i(x) for k, x in sorted(d(v["epochs"]).items(), key=lambda kv: i(kv[0]))}
+        st._next_pid = i(v["next_pid"])
+        ret = lst(v["retention"])
+        st.retention_max_bytes, st.retention_max_age_ms, st.producer_idle_ms = (
+            i(ret[0]),
+            i(ret[1]),
+            i(ret[2]),
+        )
+        stored = lst(v["stored"])
+        st.stored_bytes, st.stored_messages = i(stored[0]), i(stored[1])
+        for name, tv in d(v["topics"]).items():
+            rr, qs = lst(tv)
+            queues = []
+            for qv in lst(qs):
+                mn, phys, sizes, tags, ts, recs = lst(qv)
+                q = _Queue(i(mn))
+                q.phys = _from_bytes("q", b(phys))
+                q.sizes = array("i", _from_bytes("q", b(sizes)))
+                q.tags = array("I", _from_bytes("q", b(tags)))
+                q.ts = _from_bytes("q", b(ts))
+                q.recs = [b(r) for r in lst(recs)]
+                if not len(q.phys) == len(q.sizes) == len(q.tags) == len(q.ts) == len(q.recs):
+                    raise ValueError("queue arrays of different lengths")
+                queues.append(q)
+            st._topics[s(name)] = _Topic(s(name), queues, i(rr))
+        for g, offs in d(v["groups"]).items():
+            go: dict[tuple[str, int], int] = {}
+            for key, off in d(offs).items():
+                tp, _, qs_ = s(key).rpartition("\x00")
+                go[(tp, int(qs_))] = i(off)
+            st._groups[s(g)] = go
+        for pid, pv in d(v["producers"]).items():
+            epoch, last_ts, seqs = lst(pv)
+            prod = _Producer(i(epoch), i(last_ts))
+            for key, sv in d(seqs).items():
+                tp, _, qs_ = s(key).rpartition("\x00")
+                last_seq, batches = lst(sv)
+                seq = _Seq(i(last_seq))
+                for bv in lst(batches):
+                    base, count, ts, acks = lst(bv)
+                    seq.batches.append(
+                        (
+                            i(base),
+                            i(count),
+                            tuple(
+                                MessageAck(i(a[0]), i(a[1]), i(a[2]), i(a[3]), st.msg_id(i(a[2])))
+                                for a in (lst(x) for x in lst(acks))
+                            ),
+                            i(ts),
+                        )
+                    )
+                prod.seqs[(tp, int(qs_))] = seq
+            st._producers[i(pid)] = prod
+        return st

@@ -1,0 +1,705 @@
+"""The /v1 message API every node serves next to ``/raft/*``.
+
+Routes (JSON via orjson; message values are base64, or UTF-8 text when the
+request says ``"encoding": "utf-8"``)::
+
+    POST   /v1/topics                                  create {name, queues}
+    GET    /v1/topics                                  list
+    GET    /v1/topics/{topic}                          describe (queues, min/max offsets)
+    PATCH  /v1/topics/{topic}                          update {queues} (grow only)
+    DELETE /v1/topics/{topic}                          delete
+    POST   /v1/topics/{topic}/messages                 produce a batch
+    GET    /v1/topics/{topic}/queues/{queue}/messages  consume (long-poll)
+    POST   /v1/producers                               {producer_id?} -> {producer_id, epoch}
+    GET    /v1/groups/{group}/offsets                  committed offsets (?topic=)
+    POST   /v1/groups/{group}/offsets                  commit {offsets: [{topic, queue, offset}]}
+    POST   /v1/groups/{group}/reset                    {topic, to: earliest|latest|timestamp}
+    PUT    /v1/retention                               {max_bytes, max_age_ms, producer_idle_ms}
+    GET    /v1/cluster                                 node status + broker stats + epoch map
+    POST   /v1/cluster/transfer-leadership             {to}
+    POST   /v1/cluster/members                         {op: add_learner|promote|remove, id}
+    GET    /readyz                                     200 when a leader is known and caught up
+    GET    /metrics                                    Prometheus text format
+    GET    /openapi.json                               OpenAPI 3.1 document of every route
+
+Writes go through the Raft log and answer after commit *and* apply on this
+node (the leader). Reads are served from this node's applied state: with
+``consistency=committed`` (default) by any replica up to its confirm
+offset, with ``consistency=linearizable`` only by the leader after a lease
+or ReadIndex barrier. This module holds no broker or Raft rule: it parses,
+calls the node and the adapter, and maps errors in one table
+(:mod:`http_api.errors`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from broker_adapter import codec
+from broker_adapter.codec import CommandKind, Limits, Message, ResetMode
+from broker_adapter.errors import BrokerError, InvalidArgument
+from broker_adapter.node_sm import BrokerStateMachine
+from broker_adapter.state import (
+    OffsetsResult,
+    ProduceResult,
+    ProducerResult,
+    ReadResult,
+    RetentionResult,
+    StoredMessage,
+    TopicInfo,
+)
+from dledger.admin_http import BadRequest, Unprocessable
+from dledger.core.types import Role
+from dledger.errors import NotLeader
+from dledger.node import Node, OutcomeUnknown
+from http_api.errors import LeaderNotReady, envelope, error_response, json_response
+from http_api.openapi import openapi_document
+
+logger = logging.getLogger(__name__)
+
+MAX_WAIT_MS = 30_000
+MAX_MESSAGES = 1000
+MAX_READ_BYTES = 8 << 20
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class BrokerApi:
+    """The handlers, bound to one node and its broker state machine."""
+
+    def __init__(
+        self,
+        node: Node,
+        sm: BrokerStateMachine,
+        auto_create_queues: int = 0,
+        limits: Limits | None = None,
+    ) -> None:
+        self.node = node
+        self.sm = sm
+        self.auto_create_queues = auto_create_queues
+        self.limits = limits or Limits(
+            max_batch_bytes=node.cfg.max_entry_bytes,
+            max_message_bytes=min(1 << 20, node.cfg.max_entry_bytes - 4096),
+        )
+        self._applied = asyncio.Event()
+        self._waiters = 0
+        # (method, route, status) -> [count, seconds]
+        self.requests: dict[tuple[str, str, int], list[float]] = {}
+        sm.add_listener(self._on_apply)
+
+    # -- plumbing -------------------------------------------------------------
+    def _on_apply(self) -> None:
+        if self._waiters:
+            ev, self._applied = self._applied, asyncio.Event()
+            ev.set()
+
+    def routes(self) -> list[web.RouteDef]:
+        g = self._guard
+        return [
+            web.post("/v1/topics", g(self.create_topic)),
+            web.get("/v1/topics", g(self.list_topics)),
+            web.get("/v1/topics/{topic}", g(self.describe_topic)),
+            web.patch("/v1/topics/{topic}", g(self.update_topic)),
+            web.delete("/v1/topics/{topic}", g(self.delete_topic)),
+            web.post("/v1/topics/{topic}/messages", g(self.produce)),
+            web.get("/v1/topics/{topic}/queues/{queue}/messages", g(self.consume)),
+            web.post("/v1/producers", g(self.register_producer)),
+            web.get("/v1/groups/{group}/offsets", g(self.get_offsets)),
+            web.post("/v1/groups/{group}/offsets", g(self.commit_offsets)),
+            web.post("/v1/groups/{group}/reset", g(self.reset_group)),
+            web.put("/v1/retention", g(self.set_retention)),
+            web.get("/v1/cluster", g(self.cluster)),
+            web.post("/v1/cluster/transfer-leadership", g(self.transfer_leadership)),
+            web.post("/v1/cluster/members", g(self.members)),
+            web.get("/readyz", g(self.readyz)),
+            web.get("/metrics", g(self.metrics)),
+            web.get("/openapi.json", g(self.openapi)),
+        ]
+
+    def _guard(self, fn: Handler) -> Handler:
+        """Every error becomes the envelope here, so nothing reaches the
+        admin app's middleware as an unknown exception (no 500s)."""
+
+        @functools.wraps(fn)
+        async def wrapped(request: web.Request) -> web.StreamResponse:
+            t0 = time.monotonic()
+            resp = await self._handle(fn, request)
+            info = request.match_info.route.resource
+            route = info.canonical if info is not None else request.path
+            key = (request.method, route, resp.status)
+            rec = self.requests.setdefault(key, [0.0, 0.0])
+            rec[0] += 1
+            rec[1] += time.monotonic() - t0
+            return resp
+
+        return wrapped
+
+    async def _handle(self, fn: Handler, request: web.Request) -> web.StreamResponse:
+        try:
+            return await fn(request)
+        except NotLeader as exc:
+            return self._not_leader(request, exc)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            code = (exc.reason or "error").upper().replace(" ", "_")
+            return envelope(exc.status, code, f"{request.method} {request.path}: {exc.reason}")
+        except Exception as exc:
+            resp = error_response(exc)
+            if resp.status == 500:
+                logger.exception("unhandled error serving %s %s", request.method, request.path)
+                return envelope(500, "INTERNAL", "internal error (a bug: see the node's log)")
+            return resp
+
+    def _not_leader(self, request: web.Request, exc: NotLeader) -> web.Response:
+        leader = exc.leader_hint
+        node = self.node
+        leader_http = node.http_address_of(leader) if leader else None
+        if leader and leader != node.cfg.node_id and leader_http is not None:
+            return json_response(
+                {
+                    "error": {
+                        "code": exc.code,
+                        "message": str(exc),
+                        "leader": leader,
+                        "leader_http": leader_http,
+                    }
+                },
+                307,
+                {"Location": f"http://{leader_http}{request.path_qs}"},
+            )
+        return envelope(503, exc.code, "no leader is known; retry later", leader=None)
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        raw = await request.read()  # bounded by the app's client_max_size (413)
+        if not raw:
+            return {}
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise BadRequest(f"the body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise Unprocessable("the body must be a JSON object")
+        return body
+
+    def _timeout_s(self, request: web.Request) -> float:
+        return _int_q(request, "timeout_ms", self.node.cfg.request_timeout_ms, 1, 600_000) / 1000
+
+    def _require_leader(self) -> None:
+        node = self.node
+        if node.role is not Role.LEADER:
+            raise NotLeader(node.leader)
+        if not node.leader_ready():
+            raise LeaderNotReady("this leader has not applied an entry of its term yet")
+
+    async def _propose(self, request: web.Request, data: bytes) -> object:
+        """Propose one command; its apply result, raised when it is an error."""
+        self._require_leader()
+        timeout = self._timeout_s(request)
+        try:
+            async with asyncio.timeout(timeout):
+                applied = await self.node.propose_entry(data)
+        except TimeoutError:
+            raise OutcomeUnknown(
+                f"not applied within {timeout * 1000:.0f} ms; it may still commit"
+            ) from None
+        if isinstance(applied.result, BrokerError):
+            raise applied.result
+        return applied.result
+
+    @staticmethod
+    def _now_ms() -> int:
+        return int(time.time() * 1000)
+
+    # -- topics -----------------------------------------------------------------
+    async def create_topic(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        name = codec.check_name(body.get("name"))
+        queues = codec.check_queue_count(body.get("queues", 8))
+        data = codec.encode_topic(CommandKind.CREATE_TOPIC, name, self._now_ms(), queues)
+        res = await self._propose(request, data)
+        assert isinstance(res, TopicInfo)
+        return json_response(_topic_json(res), 201)
+
+    async def list_topics(self, request: web.Request) -> web.Response:
+        await self._read_barrier(request)
+        b = self.sm.broker
+        return json_response({"topics": [_topic_json(b.topic(n)) for n in b.topic_names()]})
+
+    async def describe_topic(self, request: web.Request) -> web.Response:
+        await self._read_barrier(request)
+        return json_response(_topic_json(self.sm.broker.topic(request.match_info["topic"])))
+
+    async def update_topic(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        name = codec.check_name(request.match_info["topic"])
+        queues = codec.check_queue_count(body.get("queues"))
+        data = codec.encode_topic(CommandKind.UPDATE_TOPIC, name, self._now_ms(), queues)
+        res = await self._propose(request, data)
+        assert isinstance(res, TopicInfo)
+        return json_response(_topic_json(res))
+
+    async def delete_topic(self, request: web.Request) -> web.Response:
+        name = codec.check_name(request.match_info["topic"])
+        data = codec.encode_topic(CommandKind.DELETE_TOPIC, name, self._now_ms())
+        await self._propose(request, data)
+        return json_response({"deleted": name})
+
+    # -- produce ----------------------------------------------------------------
+    async def produce(self, request: web.Request) -> web.Response:
+        topic = codec.check_name(request.match_info["topic"])
+        body = await self._body(request)
+        raw_msgs = body.get("messages")
+        if not isinstance(raw_msgs, list) or not raw_msgs:
+            raise InvalidArgument("messages must be a non-empty list", field="messages")
+        msgs = [_parse_message(m, k) for k, m in enumerate(raw_msgs)]
+        pid = _opt_int(body, "producer_id", 0, 1 << 64)
+        epoch = _opt_int(body, "epoch", 0, 1 << 32)
+        seq = _opt_int(body, "sequence", 0, 1 << 62)
+        if (pid is None) != (seq is None):
+            raise InvalidArgument(
+                "producer_id and sequence go together (idempotent produce)",
+                field="sequence" if seq is None else "producer_id",
+            )
+        self._require_leader()
+        auto = self.auto_create_queues
+        if not auto and not self.sm.broker.has_topic(topic):
+            self.sm.broker.topic(topic)  # raises UnknownTopic, before proposing
+        data = codec.encode_produce(
+            topic,
+            msgs,
+            self._now_ms(),
+            producer_id=pid or 0,
+            epoch=epoch or 0,
+            base_seq=-1 if seq is None else seq,
+            auto_create_queues=auto,
+            limits=self.limits,
+        )
+        res = await self._propose(request, data)
+        assert isinstance(res, ProduceResult)
+        return json_response(
+            {
+                "topic": res.topic,
+                "duplicate": res.duplicate,
+                "store_ts_ms": res.store_ts_ms,
+                "messages": [
+                    {
+                        "queue": a.queue,
+                        "queue_offset": a.queue_offset,
+                        "commit_offset": a.phys_offset,
+                        "size": a.size,
+                        "msg_id": a.msg_id,
+                        "duplicate": res.duplicate,
+                    }
+                    for a in res.acks
+                ],
+            }
+        )
+
+    async def register_producer(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        pid = _opt_int(body, "producer_id", 1, 1 << 64) or 0
+        res = await self._propose(request, codec.encode_register_producer(self._now_ms(), pid))
+        assert isinstance(res, ProducerResult)
+        return json_response({"producer_id": res.producer_id, "epoch": res.epoch})
+
+    # -- consume ----------------------------------------------------------------
+    async def _read_barrier(self, request: web.Request) -> str:
+        consistency = request.query.get("consistency", "committed")
+        if consistency not in ("committed", "linearizable"):
+            raise InvalidArgument(
+                f"consistency must be 'committed' or 'linearizable', got {consistency!r}",
+                field="consistency",
+            )
+        if consistency == "linearizable":
+            timeout = self._timeout_s(request)
+            try:
+                async with asyncio.timeout(timeout):
+                    await self.node.read("linearizable")
+            except TimeoutError:
+                raise OutcomeUnknown(f"no read index within {timeout * 1000:.0f} ms") from None
+        else:
+            await self.node.read("committed")  # raises NodeStopped when not running
+        return consistency
+
+    async def consume(self, request: web.Request) -> web.Response:
+        topic = codec.check_name(request.match_info["topic"])
+        try:
+            queue = int(request.match_info["queue"])
+        except ValueError:
+            raise InvalidArgument("queue must be an integer", field="queue") from None
+        offset = _int_q(request, "offset", 0, 0, 1 << 62)
+        max_messages = _int_q(request, "max_messages", 32, 1, MAX_MESSAGES)
+        max_bytes = _int_q(request, "max_bytes", 1 << 20, 1, MAX_READ_BYTES)
+        wait_ms = _int_q(request, "wait_ms", 0, 0, MAX_WAIT_MS)
+        tag = request.query.get("tag") or None
+        as_text = request.query.get("encoding", "base64") == "utf-8"
+        await self._read_barrier(request)
+        broker = self.sm.broker
+        res = broker.read(topic, queue, offset, max_messages, max_bytes, tag)
+        deadline = time.monotonic() + wait_ms / 1000
+        while not res.messages and time.monotonic() < deadline:
+            self._waiters += 1
+            try:
+                ev = self._applied
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    await ev.wait()
+            except TimeoutError:
+                pass
+            finally:
+                self._waiters -= 1
+            if not self.node.running:
+                break
+            res = broker.read(topic, queue, res.next_offset, max_messages, max_bytes, tag)
+        return json_response(_read_json(res, broker.confirm_offset, as_text))
+
+    # -- groups -------------------------------------------------------------------
+    async def get_offsets(self, request: web.Request) -> web.Response:
+        group = codec.check_name(request.match_info["group"], "group")
+        topic = request.query.get("topic")
+        await self._read_barrier(request)
+        offs = self.sm.broker.group_offsets(group, topic)
+        return json_response(
+            {
+                "group": group,
+                "offsets": [{"topic": t, "queue": q, "offset": o} for (t, q), o in offs.items()],
+            }
+        )
+
+    async def commit_offsets(self, request: web.Request) -> web.Response:
+        group = codec.check_name(request.match_info["group"], "group")
+        body = await self._body(request)
+        items = body.get("offsets")
+        if not isinstance(items, list) or not items:
+            raise InvalidArgument("offsets must be a non-empty list", field="offsets")
+        offs: list[tuple[str, int, int]] = []
+        for k, it in enumerate(items):
+            if not isinstance(it, dict):
+                raise InvalidArgument("each offset must be an object", field=f"offsets[{k}]")
+            t = codec.check_name(it.get("topic"))
+            q = _req_int(it, "queue", 0, codec.MAX_QUEUES, f"offsets[{k}].")
+            o = _req_int(it, "offset", 0, 1 << 62, f"offsets[{k}].")
+            offs.append((t, q, o))
+        data = codec.encode_commit_offsets(group, offs, self._now_ms())
+        res = await self._propose(request, data)
+        assert isinstance(res, OffsetsResult)
+        return json_response(_offsets_json(res))
+
+    async def reset_group(self, request: web.Request) -> web.Response:
+        group = codec.check_name(request.match_info["group"], "group")
+        body = await self._body(request)
+        topic = codec.check_name(body.get("topic"))
+        to = body.get("to", "earliest")
+        modes = {"earliest": ResetMode.EARLIEST, "latest": ResetMode.LATEST}
+        ts = 0
+        if to == "timestamp":
+            mode = ResetMode.TIMESTAMP
+            ts = _req_int(body, "timestamp_ms", 0, 1 << 62)
+        elif isinstance(to, str) and to in modes:
+            mode = modes[to]
+        else:
+            raise InvalidArgument(
+                "to must be 'earliest', 'latest' or 'timestamp'", field="to", got=str(to)
+            )
+        data = codec.encode_reset_group(group, topic, mode, self._now_ms(), ts)
+        res = await self._propose(request, data)
+        assert isinstance(res, OffsetsResult)
+        return json_response(_offsets_json(res))
+
+    async def set_retention(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        data = codec.encode_retention(
+            self._now_ms(),
+            _opt_int(body, "max_bytes", 0, 1 << 62) or 0,
+            _opt_int(body, "max_age_ms", 0, 1 << 62) or 0,
+            _opt_int(body, "producer_idle_ms", 0, 1 << 62) or 0,
+        )
+        res = await self._propose(request, data)
+        assert isinstance(res, RetentionResult)
+        return json_response(
+            {
+                "max_bytes": res.max_bytes,
+                "max_age_ms": res.max_age_ms,
+                "producer_idle_ms": res.producer_idle_ms,
+            }
+        )
+
+    # -- cluster --------------------------------------------------------------------
+    async def cluster(self, request: web.Request) -> web.Response:
+        st = self.node.status()
+        b = self.sm.broker
+        st["broker"] = {
+            **b.stats(),
+            "epoch_map": {str(t): p for t, p in sorted(b.epochs.items())},
+        }
+        return json_response(st)
+
+    async def transfer_leadership(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        to = _req_int(body, "to", 1, 1 << 31)
+        timeout = self._timeout_s(request)
+        try:
+            async with asyncio.timeout(timeout):
+                await self.node.transfer_leadership(to)
+        except TimeoutError:
+            raise OutcomeUnknown(f"transfer to {to} not done within {timeout:.1f} s") from None
+        return json_response({"leader": to, "leader_http": self.node.http_address_of(to)})
+
+    async def members(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        ops = {
+            "add_learner": self.node.add_learner,
+            "promote": self.node.promote,
+            "remove": self.node.remove,
+        }
+        op = body.get("op")
+        if not isinstance(op, str) or op not in ops:
+            raise InvalidArgument(f"op must be one of {', '.join(ops)}", field="op")
+        nid = _req_int(body, "id", 1, 1 << 31)
+        timeout = self._timeout_s(request)
+        try:
+            async with asyncio.timeout(timeout):
+                conf = await ops[op](nid)
+        except TimeoutError:
+            raise OutcomeUnknown(
+                f"membership change not applied within {timeout:.1f} s; it may still apply"
+            ) from None
+        return json_response(
+            {"config": {"voters": list(conf.voters), "learners": list(conf.learners)}}
+        )
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        """Ready: running, a leader is known, and this node applied what it
+        knows to be committed (a lagging replica is not ready)."""
+        node = self.node
+        st = node.status() if node.running else {}
+        lag = int(st.get("commit", 0)) - int(st.get("applied", 0))
+        ok = node.running and node.leader != 0 and lag <= 0
+        body = {"ready": ok, "role": node.role.name.lower(), "leader": node.leader, "lag": lag}
+        if not ok:
+            return envelope(503, "NOT_READY", "no leader known, not running or lagging", **body)
+        return json_response(body)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        node = self.node
+        st = node.status()
+        b = self.sm.broker.stats()
+        counters = st.get("node", {})
+        lines: list[str] = []
+
+        def gauge(name: str, value: float, help_: str, kind: str = "gauge") -> None:
+            lines.append(f"# HELP {name} {help_}")
+            lines.append(f"# TYPE {name} {kind}")
+            lines.append(f"{name} {value}")
+
+        gauge("dledger_term", st.get("term", 0), "current Raft term")
+        gauge("dledger_is_leader", int(node.role is Role.LEADER), "1 on the leader")
+        gauge("dledger_commit_index", st.get("commit", 0), "Raft commit index")
+        gauge("dledger_applied_index", node.applied, "last applied log index")
+        gauge("dledger_apply_lag", max(0, st.get("commit", 0) - node.applied), "commit - applied")
+        gauge("dledger_confirm_offset", b["confirm_offset"], "CommitLog confirm offset (bytes)")
+        gauge("dledger_stored_messages", b["stored_messages"], "messages retained")
+        gauge("dledger_stored_bytes", b["stored_bytes"], "message bytes retained")
+        gauge(
+            "dledger_leader_changes_total",
+            counters.get("leader_changes", 0),
+            "leader changes seen",
+            "counter",
+        )
+        gauge("dledger_fsyncs_total", counters.get("syncs", 0), "storage syncs", "counter")
+        gauge(
+            "dledger_fsync_seconds_total",
+            counters.get("sync_ms_total", 0) / 1000,
+            "time spent in storage syncs",
+            "counter",
+        )
+        lines.append("# HELP dledger_http_requests_total HTTP requests by route and status")
+        lines.append("# TYPE dledger_http_requests_total counter")
+        for (method, route, status), (n, _) in sorted(self.requests.items()):
+            lines.append(
+                f'dledger_http_requests_total{{method="{method}",route="{route}",'
+                f'status="{status}"}} {int(n)}'
+            )
+        lines.append("# HELP dledger_http_request_seconds_total HTTP time by route and status")
+        lines.append("# TYPE dledger_http_request_seconds_total counter")
+        for (method, route, status), (_, secs) in sorted(self.requests.items()):
+            lines.append(
+                f'dledger_http_request_seconds_total{{method="{method}",route="{route}",'
+                f'status="{status}"}} {secs:.6f}'
+            )
+        return web.Response(
+            text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8"
+        )
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return json_response(openapi_document(request.app))
+
+
+# ---------------------------------------------------------------------------
+# parsing helpers
+
+
+def _int_q(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        raise InvalidArgument(f"{name} must be an integer, got {raw[:40]!r}", field=name) from None
+    if not lo <= v <= hi:
+        raise InvalidArgument(f"{name} must be within {lo}..{hi}, got {v}", field=name)
+    return v
+
+
+def _opt_int(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v < hi:
+        raise InvalidArgument(f"{name} must be an integer within {lo}..{hi - 1}", field=name)
+    return v
+
+
+def _req_int(d: dict[str, Any], name: str, lo: int, hi: int, prefix: str = "") -> int:
+    v = d.get(name)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v < hi:
+        raise InvalidArgument(
+            f"{prefix}{name} must be an integer within {lo}..{hi - 1}", field=prefix + name
+        )
+    return v
+
+
+def _str_field(m: dict[str, Any], name: str, where: str) -> str:
+    v = m.get(name, "")
+    if v is None:
+        return ""
+    if not isinstance(v, str):
+        raise InvalidArgument(f"{where}.{name} must be a string", field=f"{where}.{name}")
+    return v
+
+
+def _parse_message(m: object, k: int) -> Message:
+    where = f"messages[{k}]"
+    if not isinstance(m, dict):
+        raise InvalidArgument("each message must be an object", field=where)
+    value = m.get("value")
+    encoding = m.get("encoding", "base64")
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{where}.value must be a string", field=f"{where}.value")
+    if encoding == "base64":
+        try:
+            body = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidArgument(
+                f"{where}.value is not valid base64", field=f"{where}.value"
+            ) from None
+    elif encoding == "utf-8":
+        body = value.encode("utf-8")
+    else:
+        raise InvalidArgument(
+            f"{where}.encoding must be 'base64' or 'utf-8'", field=f"{where}.encoding"
+        )
+    keys_raw = m.get("keys", m.get("key"))
+    if keys_raw is None:
+        keys: tuple[str, ...] = ()
+    elif isinstance(keys_raw, str):
+        keys = (keys_raw,)
+    elif isinstance(keys_raw, list) and all(isinstance(x, str) for x in keys_raw):
+        keys = tuple(keys_raw)
+    else:
+        raise InvalidArgument(f"{where}.keys must be strings", field=f"{where}.keys")
+    tags = m.get("tags", m.get("tag", ""))
+    if isinstance(tags, list) and all(isinstance(x, str) for x in tags):
+        tags = tags[0] if len(tags) == 1 else "||".join(tags)
+    if not isinstance(tags, str):
+        raise InvalidArgument(f"{where}.tags must be a string", field=f"{where}.tags")
+    props = m.get("properties") or {}
+    if not isinstance(props, dict) or not all(
+        isinstance(a, str) and isinstance(b, str) for a, b in props.items()
+    ):
+        raise InvalidArgument(
+            f"{where}.properties must map strings to strings", field=f"{where}.properties"
+        )
+    queue = m.get("queue")
+    if queue is not None and (
+        not isinstance(queue, int) or isinstance(queue, bool) or not 0 <= queue < codec.MAX_QUEUES
+    ):
+        raise InvalidArgument(
+            f"{where}.queue must be an integer within 0..{codec.MAX_QUEUES - 1}",
+            field=f"{where}.queue",
+        )
+    born = m.get("born_ts_ms", int(time.time() * 1000))
+    if not isinstance(born, int) or isinstance(born, bool) or not 0 <= born < 1 << 62:
+        raise InvalidArgument(f"{where}.born_ts_ms must be an integer", field=f"{where}.born_ts_ms")
+    return Message(
+        body=body,
+        tag=tags,
+        keys=keys,
+        properties=tuple(sorted(props.items())),
+        queue=queue,
+        sharding_key=_str_field(m, "sharding_key", where) or None,
+        born_ts_ms=born,
+    )
+
+
+def _topic_json(t: TopicInfo) -> dict[str, Any]:
+    return {
+        "name": t.name,
+        "queues": [
+            {"queue": q.queue, "min_offset": q.min_offset, "max_offset": q.max_offset}
+            for q in t.queues
+        ],
+    }
+
+
+def _offsets_json(r: OffsetsResult) -> dict[str, Any]:
+    return {
+        "group": r.group,
+        "offsets": [{"topic": t, "queue": q, "offset": o} for t, q, o in r.offsets],
+    }
+
+
+def _message_json(m: StoredMessage, as_text: bool) -> dict[str, Any]:
+    value: str
+    encoding = "base64"
+    if as_text:
+        try:
+            value, encoding = m.body.decode("utf-8"), "utf-8"
+        except UnicodeDecodeError:
+            value = base64.b64encode(m.body).decode()
+    else:
+        value = base64.b64encode(m.body).decode()
+    return {
+        "queue_offset": m.queue_offset,
+        "commit_offset": m.phys_offset,
+        "size": m.size,
+        "msg_id": m.msg_id,
+        "store_ts_ms": m.store_ts_ms,
+        "born_ts_ms": m.born_ts_ms,
+        "tags": m.tag,
+        "keys": list(m.keys),
+        "properties": dict(m.properties),
+        "value": value,
+        "encoding": encoding,
+    }
+
+
+def _read_json(res: ReadResult, confirm_offset: int, as_text: bool) -> dict[str, Any]:
+    return {
+        "messages": [_message_json(m, as_text) for m in res.messages],
+        "next_offset": res.next_offset,
+        "min_offset": res.min_offset,
+        "max_offset": res.max_offset,
+        "confirm_offset": confirm_offset,
+    }

@@ -1,0 +1,462 @@
+"""Python clients for the /v1 API: :class:`Client` (sync, stdlib only) and
+:class:`AsyncClient` (aiohttp), with the same methods.
+
+Both follow the leader: a ``307`` is followed to its ``Location``; a ``503``,
+a ``429`` or a refused connection moves on to the next known node after a
+short back-off, until ``retry_for_s`` runs out. A write whose outcome is
+unknown (timeout, connection lost after sending, ``504``) is retried only
+when it is safe: consumer-offset commits and topic reads are idempotent, and
+produce through an :class:`IdempotentProducer` re-sends the same batch with
+the same sequence, which the broker answers with the original offsets.
+A plain produce raises :class:`OutcomeUnknownError` instead.
+
+An :class:`IdempotentProducer` chooses the queue itself (explicit queue,
+hash of the sharding key with the broker's hash, else round robin) so that
+it knows which per-queue sequence a batch carries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import http.client
+import json
+import time
+import urllib.parse
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+RETRY_STATUSES = (429, 503)
+
+
+class ApiError(Exception):
+    """An error answer: ``status``, ``code``, ``message`` and the envelope's
+    other fields in ``details`` (e.g. ``field``, ``min_offset``)."""
+
+    def __init__(self, status: int, code: str, message: str, details: dict[str, Any]) -> None:
+        super().__init__(f"{status} {code}: {message}")
+        self.status = status
+        self.code = code
+        self.details = details
+
+
+class OutcomeUnknownError(ApiError):
+    """The write may or may not have happened; retrying it may duplicate it."""
+
+
+class UnavailableError(ApiError):
+    """No node could serve the request within the retry budget."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    topic: str
+    queue: int
+    queue_offset: int
+    commit_offset: int
+    msg_id: str
+    duplicate: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    topic: str
+    queue: int
+    queue_offset: int
+    commit_offset: int
+    msg_id: str
+    value: bytes
+    tags: str
+    keys: tuple[str, ...]
+    properties: dict[str, str]
+    store_ts_ms: int
+    born_ts_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    records: tuple[Record, ...]
+    next_offset: int
+    min_offset: int
+    max_offset: int
+
+
+@dataclass(slots=True)
+class OutMessage:
+    value: bytes
+    tags: str = ""
+    keys: Sequence[str] = ()
+    properties: dict[str, str] = field(default_factory=dict)
+    queue: int | None = None
+    sharding_key: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"value": base64.b64encode(self.value).decode()}
+        if self.tags:
+            d["tags"] = self.tags
+        if self.keys:
+            d["keys"] = list(self.keys)
+        if self.properties:
+            d["properties"] = self.properties
+        if self.queue is not None:
+            d["queue"] = self.queue
+        if self.sharding_key is not None:
+            d["sharding_key"] = self.sharding_key
+        return d
+
+
+def _as_messages(values: Sequence[bytes | str | OutMessage]) -> list[OutMessage]:
+    out = []
+    for v in values:
+        if isinstance(v, OutMessage):
+            out.append(v)
+        else:
+            out.append(OutMessage(v.encode() if isinstance(v, str) else v))
+    return out
+
+
+def _error(status: int, body: Any) -> ApiError:
+    e = body.get("error", {}) if isinstance(body, dict) else {}
+    code = str(e.get("code", "HTTP_ERROR"))
+    details = {k: v for k, v in e.items() if k not in ("code", "message")}
+    cls = OutcomeUnknownError if status == 504 else ApiError
+    return cls(status, code, str(e.get("message", "")), details)
+
+
+def _acks(body: dict[str, Any]) -> list[Ack]:
+    return [
+        Ack(
+            body["topic"],
+            m["queue"],
+            m["queue_offset"],
+            m["commit_offset"],
+            m["msg_id"],
+            bool(m.get("duplicate", False)),
+        )
+        for m in body["messages"]
+    ]
+
+
+def _batch(topic: str, queue: int, body: dict[str, Any]) -> Batch:
+    recs = tuple(
+        Record(
+            topic,
+            queue,
+            m["queue_offset"],
+            m["commit_offset"],
+            m["msg_id"],
+            base64.b64decode(m["value"]) if m["encoding"] == "base64" else m["value"].encode(),
+            m["tags"],
+            tuple(m["keys"]),
+            dict(m["properties"]),
+            m["store_ts_ms"],
+            m["born_ts_ms"],
+        )
+        for m in body["messages"]
+    )
+    return Batch(recs, body["next_offset"], body["min_offset"], body["max_offset"])
+
+
+def _consume_path(
+    topic: str,
+    queue: int,
+    offset: int,
+    max_messages: int,
+    wait_ms: int,
+    tag: str | None,
+    consistency: str,
+) -> str:
+    q = {
+        "offset": offset,
+        "max_messages": max_messages,
+        "wait_ms": wait_ms,
+        "consistency": consistency,
+    }
+    if tag:
+        q["tag"] = tag
+    return f"/v1/topics/{topic}/queues/{queue}/messages?{urllib.parse.urlencode(q)}"
+
+
+def queue_for_key(key: str, queues: int) -> int:
+    """The broker's queue for a sharding key (same hash as the state machine)."""
+    return zlib.crc32(key.encode("utf-8")) % queues
+
+
+class Client:
+    """Synchronous client. ``addresses``: ``host:port`` of any nodes."""
+
+    def __init__(
+        self, addresses: Sequence[str], timeout_s: float = 10.0, retry_for_s: float = 30.0
+    ) -> None:
+        if not addresses:
+            raise ValueError("at least one node address is needed")
+        self.addresses = list(addresses)
+        self.timeout_s = timeout_s
+        self.retry_for_s = retry_for_s
+        self._current = self.addresses[0]
+
+    def request(self, method: str, path: str, body: Any = None, *, safe: bool) -> Any:
+        """``safe``: the request may be repeated after an unknown outcome."""
+        data = json.dumps(body).encode() if body is not None else None
+        deadline = time.monotonic() + self.retry_for_s
+        address = self._current
+        k = 0
+        while True:
+            try:
+                status, headers, raw = self._once(address, method, path, data)
+            except ConnectionRefusedError:
+                status, headers, raw = 0, {}, b""
+            except (OSError, http.client.HTTPException) as exc:
+                if not safe:
+                    raise OutcomeUnknownError(0, "CONNECTION", repr(exc), {}) from None
+                status, headers, raw = 0, {}, b""
+            if status == 307 and "location" in headers:
+                address = urllib.parse.urlsplit(headers["location"]).netloc
+                continue
+            parsed = json.loads(raw) if raw else None
+            if 200 <= status < 300:
+                self._current = address
+                return parsed
+            if status == 504 and safe:
+                status = 503
+            if status in (0, *RETRY_STATUSES):
+                if time.monotonic() > deadline:
+                    raise UnavailableError(status, "UNAVAILABLE", f"{method} {path}", {})
+                k += 1
+                address = self.addresses[k % len(self.addresses)]
+                time.sleep(min(0.5, 0.05 * k))
+                continue
+            raise _error(status, parsed)
+
+    def _once(
+        self, address: str, method: str, path: str, data: bytes | None
+    ) -> tuple[int, dict[str, str], bytes]:
+        host, _, port = address.rpartition(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=self.timeout_s)
+        try:
+            headers = {"Content-Type": "application/json"} if data is not None else {}
+            conn.request(method, path, body=data, headers=headers)
+            r = conn.getresponse()
+            return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+        finally:
+            conn.close()
+
+    # -- API --------------------------------------------------------------------
+    def create_topic(self, name: str, queues: int = 8) -> dict[str, Any]:
+        res: dict[str, Any] = self.request(
+            "POST", "/v1/topics", {"name": name, "queues": queues}, safe=False
+        )
+        return res
+
+    def topic(self, name: str) -> dict[str, Any]:
+        res: dict[str, Any] = self.request("GET", f"/v1/topics/{name}", safe=True)
+        return res
+
+    def topics(self) -> list[dict[str, Any]]:
+        res: list[dict[str, Any]] = self.request("GET", "/v1/topics", safe=True)["topics"]
+        return res
+
+    def delete_topic(self, name: str) -> None:
+        self.request("DELETE", f"/v1/topics/{name}", safe=False)
+
+    def produce(self, topic: str, values: Sequence[bytes | str | OutMessage]) -> list[Ack]:
+        body = {"messages": [m.to_json() for m in _as_messages(values)]}
+        return _acks(self.request("POST", f"/v1/topics/{topic}/messages", body, safe=False))
+
+    def consume(
+        self,
+        topic: str,
+        queue: int,
+        offset: int,
+        max_messages: int = 100,
+        wait_ms: int = 0,
+        tag: str | None = None,
+        consistency: str = "committed",
+    ) -> Batch:
+        path = _consume_path(topic, queue, offset, max_messages, wait_ms, tag, consistency)
+        return _batch(topic, queue, self.request("GET", path, safe=True))
+
+    def commit(self, group: str, offsets: dict[tuple[str, int], int]) -> None:
+        body = {"offsets": [{"topic": t, "queue": q, "offset": o} for (t, q), o in offsets.items()]}
+        self.request("POST", f"/v1/groups/{group}/offsets", body, safe=True)
+
+    def offsets(self, group: str, topic: str | None = None) -> dict[tuple[str, int], int]:
+        path = f"/v1/groups/{group}/offsets" + (f"?topic={topic}" if topic else "")
+        res = self.request("GET", path, safe=True)
+        return {(o["topic"], o["queue"]): o["offset"] for o in res["offsets"]}
+
+    def reset(self, group: str, topic: str, to: str = "earliest", timestamp_ms: int = 0) -> None:
+        body: dict[str, Any] = {"topic": topic, "to": to}
+        if to == "timestamp":
+            body["timestamp_ms"] = timestamp_ms
+        self.request("POST", f"/v1/groups/{group}/reset", body, safe=True)
+
+    def producer(self) -> IdempotentProducer:
+        res = self.request("POST", "/v1/producers", {}, safe=False)
+        return IdempotentProducer(self, res["producer_id"], res["epoch"])
+
+    def consumer(
+        self, topic: str, group: str, wait_ms: int = 1000, start: str = "earliest"
+    ) -> Iterator[Record]:
+        """Every message of ``topic`` from the group's committed offsets (or
+        ``start``), long-polling, committing each page after yielding it."""
+        queues = len(self.topic(topic)["queues"])
+        committed = self.offsets(group, topic)
+        info = self.topic(topic)["queues"]
+        pos = {
+            q: committed.get(
+                (topic, q), info[q]["min_offset"] if start == "earliest" else info[q]["max_offset"]
+            )
+            for q in range(queues)
+        }
+        while True:
+            for q in range(queues):
+                b = self.consume(topic, q, pos[q], wait_ms=wait_ms if queues == 1 else 0)
+                yield from b.records
+                if b.next_offset != pos[q]:
+                    pos[q] = b.next_offset
+                    self.commit(group, {(topic, q): pos[q]})
+            if queues > 1:
+                time.sleep(wait_ms / 1000 / 10)
+
+
+class IdempotentProducer:
+    """Sends batches that a retry can never duplicate (see the module doc)."""
+
+    def __init__(self, client: Client, producer_id: int, epoch: int) -> None:
+        self.client = client
+        self.producer_id = producer_id
+        self.epoch = epoch
+        self._seq: dict[tuple[str, int], int] = {}
+        self._queues: dict[str, int] = {}
+        self._rr = 0
+
+    def _queue(self, topic: str, queue: int | None, key: str | None) -> int:
+        if queue is not None:
+            return queue
+        if topic not in self._queues:
+            self._queues[topic] = len(self.client.topic(topic)["queues"])
+        n = self._queues[topic]
+        if key is not None:
+            return queue_for_key(key, n)
+        self._rr += 1
+        return self._rr % n
+
+    def send(
+        self,
+        topic: str,
+        values: Sequence[bytes | str | OutMessage],
+        queue: int | None = None,
+        sharding_key: str | None = None,
+    ) -> list[Ack]:
+        q = self._queue(topic, queue, sharding_key)
+        msgs = _as_messages(values)
+        for m in msgs:
+            m.queue, m.sharding_key = q, None
+        seq = self._seq.get((topic, q), 0)
+        body = {
+            "producer_id": self.producer_id,
+            "epoch": self.epoch,
+            "sequence": seq,
+            "messages": [m.to_json() for m in msgs],
+        }
+        acks = _acks(self.client.request("POST", f"/v1/topics/{topic}/messages", body, safe=True))
+        self._seq[(topic, q)] = seq + len(msgs)
+        return acks
+
+
+class AsyncClient:
+    """The same API over aiohttp (``async with AsyncClient([...]) as c``)."""
+
+    def __init__(
+        self, addresses: Sequence[str], timeout_s: float = 10.0, retry_for_s: float = 30.0
+    ) -> None:
+        import aiohttp
+
+        if not addresses:
+            raise ValueError("at least one node address is needed")
+        self.addresses = list(addresses)
+        self.retry_for_s = retry_for_s
+        self._current = self.addresses[0]
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    async def request(self, method: str, path: str, body: Any = None, *, safe: bool) -> Any:
+        import aiohttp
+
+        deadline = time.monotonic() + self.retry_for_s
+        address = self._current
+        k = 0
+        while True:
+            status, location, parsed = 0, None, None
+            try:
+                async with self._session.request(
+                    method, f"http://{address}{path}", json=body, allow_redirects=False
+                ) as r:
+                    status, location = r.status, r.headers.get("Location")
+                    raw = await r.read()
+                    parsed = json.loads(raw) if raw else None
+            except aiohttp.ClientConnectorError:
+                status = 0
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                if not safe:
+                    raise OutcomeUnknownError(0, "CONNECTION", repr(exc), {}) from None
+                status = 0
+            if status == 307 and location:
+                address = urllib.parse.urlsplit(location).netloc
+                continue
+            if 200 <= status < 300:
+                self._current = address
+                return parsed
+            if status == 504 and safe:
+                status = 503
+            if status in (0, *RETRY_STATUSES):
+                if time.monotonic() > deadline:
+                    raise UnavailableError(status, "UNAVAILABLE", f"{method} {path}", {})
+                k += 1
+                address = self.addresses[k % len(self.addresses)]
+                await asyncio.sleep(min(0.5, 0.05 * k))
+                continue
+            raise _error(status, parsed)
+
+    async def create_topic(self, name: str, queues: int = 8) -> dict[str, Any]:
+        res: dict[str, Any] = await self.request(
+            "POST", "/v1/topics", {"name": name, "queues": queues}, safe=False
+        )
+        return res
+
+    async def produce(self, topic: str, values: Sequence[bytes | str | OutMessage]) -> list[Ack]:
+        body = {"messages": [m.to_json() for m in _as_messages(values)]}
+        return _acks(await self.request("POST", f"/v1/topics/{topic}/messages", body, safe=False))
+
+    async def consume(
+        self,
+        topic: str,
+        queue: int,
+        offset: int,
+        max_messages: int = 100,
+        wait_ms: int = 0,
+        tag: str | None = None,
+        consistency: str = "committed",
+    ) -> Batch:
+        path = _consume_path(topic, queue, offset, max_messages, wait_ms, tag, consistency)
+        return _batch(topic, queue, await self.request("GET", path, safe=True))
+
+    async def commit(self, group: str, offsets: dict[tuple[str, int], int]) -> None:
+        body = {"offsets": [{"topic": t, "queue": q, "offset": o} for (t, q), o in offsets.items()]}
+        await self.request("POST", f"/v1/groups/{group}/offsets", body, safe=True)
+
+    async def offsets(self, group: str, topic: str | None = None) -> dict[tuple[str, int], int]:
+        path = f"/v1/groups/{group}/offsets" + (f"?topic={topic}" if topic else "")
+        res = await self.request("GET", path, safe=True)
+        return {(o["topic"], o["queue"]): o["offset"] for o in res["offsets"]}

@@ -1,0 +1,97 @@
+"""The one table from errors to HTTP statuses for the /v1 API, and the envelope.
+
+Every error response is ``{"error": {"code", "message", ...}}``; a broker
+error adds ``field`` (the request field at fault) and its details (e.g. the
+valid ``min_offset``/``max_offset`` of a 416). ``429`` and ``503`` carry
+``Retry-After``; a follower answers ``307`` with ``Location`` of the leader.
+"""
+
+from __future__ import annotations
+
+import orjson
+from aiohttp import web
+
+from broker_adapter.errors import (
+    BrokerError,
+    InvalidArgument,
+    MalformedCommand,
+    MessageTooLarge,
+    OffsetOutOfRange,
+    ProducerError,
+    TopicExists,
+    UnknownTopic,
+)
+from dledger.admin_http import BadRequest, RequestTimeout, Unprocessable
+from dledger.errors import (
+    ConfigError,
+    DLedgerError,
+    Overloaded,
+    ProposalDropped,
+    StorageCorrupted,
+    TransferInProgress,
+)
+from dledger.node import EntryTooLarge, NodeStopped, OutcomeUnknown
+
+RETRY_AFTER_S = "1"
+
+
+class LeaderNotReady(DLedgerError):
+    """This node leads but has not yet applied an entry of its own term."""
+
+    code = "LEADER_NOT_READY"
+
+
+# First match wins: subclasses before their bases.
+STATUS: tuple[tuple[type[BaseException], int], ...] = (
+    (MessageTooLarge, 413),
+    (EntryTooLarge, 413),
+    (OffsetOutOfRange, 416),
+    (UnknownTopic, 404),
+    (TopicExists, 409),
+    (ProducerError, 409),
+    (MalformedCommand, 400),
+    (InvalidArgument, 422),
+    (BrokerError, 409),
+    (BadRequest, 400),
+    (Unprocessable, 422),
+    (ConfigError, 422),
+    (Overloaded, 429),
+    (LeaderNotReady, 503),
+    (TransferInProgress, 503),
+    (NodeStopped, 503),
+    (StorageCorrupted, 503),
+    (OutcomeUnknown, 504),
+    (RequestTimeout, 504),
+    (ProposalDropped, 409),
+    (DLedgerError, 409),
+)
+
+
+def status_of(exc: BaseException) -> int:
+    for cls, status in STATUS:
+        if isinstance(exc, cls):
+            return status
+    return 500
+
+
+def json_response(
+    body: object, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(body), status=status, headers=headers, content_type="application/json"
+    )
+
+
+def envelope(status: int, code: str, message: str, **extra: object) -> web.Response:
+    headers = {"Retry-After": RETRY_AFTER_S} if status in (429, 503) else None
+    return json_response({"error": {"code": code, "message": message, **extra}}, status, headers)
+
+
+def error_response(exc: BaseException) -> web.Response:
+    status = status_of(exc)
+    if isinstance(exc, BrokerError):
+        d = exc.to_dict()
+        code, message = str(d.pop("code")), str(d.pop("message"))
+        return envelope(status, code, message, **d)
+    code = getattr(exc, "code", "INTERNAL")
+    return envelope(status, str(code), str(exc))

@@ -1,0 +1,51 @@
+"""Serving a node: the admin app (``/raft/*``, ``/healthz``) plus the /v1
+broker API on one aiohttp application at the node's HTTP address."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from broker_adapter.node_sm import BrokerStateMachine
+from dledger.admin_http import make_app
+from dledger.config import NodeConfig
+from dledger.node import Node
+from dledger.statemachine import LogStateMachine, StateMachine
+from http_api.app import BrokerApi
+
+API_KEY = web.AppKey("broker_api", BrokerApi)
+
+
+def make_state_machine(cfg: NodeConfig) -> StateMachine:
+    """What ``cfg.state_machine`` names; the broker keeps the replica records
+    ``/raft/applied`` needs (it is a LogStateMachine)."""
+    if cfg.state_machine == "log":
+        return LogStateMachine()
+    return BrokerStateMachine(broker_name=cfg.cluster_id)
+
+
+def make_node_app(node: Node) -> web.Application:
+    app = make_app(node)
+    sm = node.state_machine
+    if isinstance(sm, BrokerStateMachine):
+        api = BrokerApi(node, sm, node.cfg.auto_create_topic_queues)
+        app[API_KEY] = api
+        app.router.add_routes(api.routes())
+    return app
+
+
+class NodeServer:
+    """Serves :func:`make_node_app` on the node's http address."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self._runner = web.AppRunner(make_node_app(node), access_log=None, shutdown_timeout=2.0)
+
+    async def start(self) -> None:
+        await self._runner.setup()
+        site = web.TCPSite(
+            self._runner, self.node.cfg.http_host, self.node.cfg.http_port, reuse_address=True
+        )
+        await site.start()
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()

@@ -44,7 +44,9 @@ def run_dledger(
     voters: int, flush: str, size: int, ops: int, window: int, repeats: int
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="dledger-bench-") as tmp:
-        lc = LocalCluster.create(Path(tmp) / "c", voters=voters, settings={"flush": flush})
+        lc = LocalCluster.create(
+            Path(tmp) / "c", voters=voters, settings={"flush": flush, "state_machine": "log"}
+        )
         try:
             lc.start_all()
             leader = lc.wait_leader(timeout_s=60)
@@ -62,12 +64,10 @@ def run_dledger(
                     f"errors {r['errors']}"
                 )
             wall = time.monotonic() - t0
-            cpu = {
-                i: ((cpu_ticks(lc.pid(i) or 0) or 0) - cpu0[i]) / 100.0 / wall for i in lc.ids()
-            }
+            cpu = {i: ((cpu_ticks(lc.pid(i) or 0) or 0) - cpu0[i]) / 100.0 / wall for i in lc.ids()}
             peak = median_min_max([r["ops_per_s"] for r in runs])["median"]
             rate = max(peak / 2, 1.0)
-            n_half = int(min(ops, rate * 10))
+            n_half = int(rate * 5)  # five seconds of open-loop load
             _log(f"  open-loop load at half the peak: {rate:,.0f}/s for {n_half} entries")
             half = _bench(lc, leader, f"n={n_half}&size={size}&rate={rate}", 600)
             _log(

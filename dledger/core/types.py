@@ -186,14 +186,23 @@ class ReadFailed:
     leader_hint: int
 
 
+EARLY_SEND_TYPES = frozenset({MsgType.APP, MsgType.HEARTBEAT})
+"""Message kinds a driver may send before persisting the Ready (see Ready)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Ready:
     """One batch of work for the driver. The order is the contract:
 
     1. ``entries`` (to append, replacing any conflicting suffix of the stored
        log) and ``hard_state`` (when not None) are written to stable storage
-       and synced, in one transaction, BEFORE any message is sent;
-    2. then ``messages`` are sent;
+       and synced, in one transaction, BEFORE any message is sent, with one
+       exception: a leader's APP and HEARTBEAT messages (``EARLY_SEND_TYPES``)
+       may go out before or while the write happens (Raft thesis 10.2.1). The
+       leader counts its own copy toward commit only after ``advance``, so an
+       entry still commits only once a quorum holds it durably; and a leader's
+       term and vote were already durable when it campaigned;
+    2. then the other ``messages`` are sent;
     3. then ``committed_entries`` are applied to the state machine in order
        (they are already durable on a quorum; some may be in ``entries`` of
        this same Ready, which step 1 made durable here too);

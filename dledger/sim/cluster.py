@@ -33,6 +33,7 @@ from typing import Any
 
 from dledger.core.raft import CORE_FAULTS, RawNode
 from dledger.core.types import (
+    EARLY_SEND_TYPES,
     NONE,
     ClusterConfig,
     ConfChange,
@@ -306,19 +307,27 @@ class Simulation:
             voters_before = n.raft.config.voters
             n.commit_before = n.raft.log.committed
             rd = n.raft.ready()
-            if self._persist(nid, n, rd):
-                return  # crashed mid-write
             if (
                 self.faulty
                 and rd.soft_state is not None
                 and rd.soft_state.role is Role.LEADER
                 and self.rng.random() < self.cfg.crash_after_elected_rate
             ):
-                # Elected, no-op persisted, crashed before anything was sent.
-                self._crash(nid, "crash-after-elected", fast=True)
+                # Elected, wrote its no-op, crashed before sending anything
+                # (early sending is allowed, not required).
+                if not self._persist(nid, n, rd):
+                    self._crash(nid, "crash-after-elected", fast=True)
                 return
+            # The leader's replication may leave before its own write (Ready's
+            # contract); everything else waits for the sync.
             for m in rd.messages:
-                self._send(m)
+                if m.type in EARLY_SEND_TYPES:
+                    self._send(m)
+            if self._persist(nid, n, rd):
+                return  # crashed mid-write
+            for m in rd.messages:
+                if m.type not in EARLY_SEND_TYPES:
+                    self._send(m)
             if (
                 self.faulty
                 and any(m.type is MsgType.VOTE_RESP and not m.reject for m in rd.messages)

@@ -73,7 +73,7 @@ SWITCHES = [
     (FAULT_TRUNCATE_WITHOUT_CONFLICT, "mixed", 20),
     (FAULT_LEASE_IGNORES_EXPIRY, "lease", 60),
     (FAULT_VOTE_DESPITE_LEADER, "lease", 40),
-    (FAULT_COMMIT_OLD_TERM, "figure8", 60),
+    (FAULT_COMMIT_OLD_TERM, "figure8", 150),
     (FAULT_SKIP_VOTE_PERSIST, "vote-loss", 40),
 ]
 

@@ -71,7 +71,7 @@ class RequestTimeout(DLedgerError):
 
 
 # The one table: first match wins, so subclasses come before their bases.
-_STATUS: tuple[tuple[type[BaseException], int], ...] = (
+STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (BadRequest, 400),
     (UnknownMember, 422),
     (Unprocessable, 422),
@@ -90,7 +90,7 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
 
 
 def error_status(exc: BaseException) -> int:
-    for cls, status in _STATUS:
+    for cls, status in STATUS:
         if isinstance(exc, cls):
             return status
     return 500
@@ -329,9 +329,11 @@ def make_app(node: Node) -> web.Application:
 class AdminServer:
     """Serves :func:`make_app` on the node's http address."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, app: web.Application | None = None) -> None:
         self.node = node
-        self._runner = web.AppRunner(make_app(node), access_log=None, shutdown_timeout=2.0)
+        self._runner = web.AppRunner(
+            app if app is not None else make_app(node), access_log=None, shutdown_timeout=2.0
+        )
 
     async def start(self) -> None:
         await self._runner.setup()

@@ -21,16 +21,10 @@ from broker_adapter.errors import (
     TopicExists,
     UnknownTopic,
 )
-from dledger.admin_http import BadRequest, RequestTimeout, Unprocessable
+from dledger.admin_http import STATUS as ADMIN_STATUS
 from dledger.errors import (
-    ConfigError,
     DLedgerError,
-    Overloaded,
-    ProposalDropped,
-    StorageCorrupted,
-    TransferInProgress,
 )
-from dledger.node import EntryTooLarge, NodeStopped, OutcomeUnknown
 
 RETRY_AFTER_S = "1"
 
@@ -41,10 +35,10 @@ class LeaderNotReady(DLedgerError):
     code = "LEADER_NOT_READY"
 
 
-# First match wins: subclasses before their bases.
+# First match wins: subclasses before their bases. The broker's errors come
+# first; the node's errors are the operator API's table, shared, not copied.
 STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (MessageTooLarge, 413),
-    (EntryTooLarge, 413),
     (OffsetOutOfRange, 416),
     (UnknownTopic, 404),
     (TopicExists, 409),
@@ -52,18 +46,8 @@ STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (MalformedCommand, 400),
     (InvalidArgument, 422),
     (BrokerError, 409),
-    (BadRequest, 400),
-    (Unprocessable, 422),
-    (ConfigError, 422),
-    (Overloaded, 429),
     (LeaderNotReady, 503),
-    (TransferInProgress, 503),
-    (NodeStopped, 503),
-    (StorageCorrupted, 503),
-    (OutcomeUnknown, 504),
-    (RequestTimeout, 504),
-    (ProposalDropped, 409),
-    (DLedgerError, 409),
+    *ADMIN_STATUS,
 )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from broker_adapter.node_sm import BrokerStateMachine
-from dledger.admin_http import make_app
+from dledger.admin_http import AdminServer, make_app
 from dledger.config import NodeConfig
 from dledger.node import Node
 from dledger.statemachine import LogStateMachine, StateMachine
@@ -33,19 +33,8 @@ def make_node_app(node: Node) -> web.Application:
     return app
 
 
-class NodeServer:
-    """Serves :func:`make_node_app` on the node's http address."""
+class NodeServer(AdminServer):
+    """Serves :func:`make_node_app` (operator routes plus /v1) on the node's http address."""
 
     def __init__(self, node: Node) -> None:
-        self.node = node
-        self._runner = web.AppRunner(make_node_app(node), access_log=None, shutdown_timeout=2.0)
-
-    async def start(self) -> None:
-        await self._runner.setup()
-        site = web.TCPSite(
-            self._runner, self.node.cfg.http_host, self.node.cfg.http_port, reuse_address=True
-        )
-        await site.start()
-
-    async def stop(self) -> None:
-        await self._runner.cleanup()
+        super().__init__(node, make_node_app(node))

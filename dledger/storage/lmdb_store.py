@@ -162,6 +162,53 @@ def _unseal(key: bytes, value: bytes | memoryview, body_size: int) -> bytes | No
     return body
 
 
+_LMDB_MAGIC = 0xBEEFC0DE
+# Offsets inside an LMDB meta page (64-bit build): a 16-byte page header, then
+# MDB_meta {magic u32, version u32, address ptr, mapsize size_t, dbs[2] (48 B
+# each; dbs[0].md_pad holds the page size), last_pg size_t, txnid size_t}.
+_META_MAGIC_OFF = 16
+_META_PSIZE_OFF = 16 + 4 + 4 + 8 + 8
+_META_LAST_PG_OFF = _META_PSIZE_OFF + 96
+_META_TXNID_OFF = _META_LAST_PG_OFF + 8
+
+
+def _check_data_file_size(data_path: str) -> None:
+    """Refuse a truncated ``data.mdb`` before LMDB maps it.
+
+    LMDB memory-maps the file and trusts its meta page: pages past the end of
+    a truncated file fault with SIGBUS, killing the process without a word.
+    The newest meta page names the last page in use; the file must reach it."""
+    try:
+        size = os.path.getsize(data_path)
+    except FileNotFoundError:
+        return  # a new log
+    with open(data_path, "rb") as f:
+        head = f.read(_META_TXNID_OFF + 8)
+        if len(head) < _META_TXNID_OFF + 8:
+            raise StorageCorrupted(f"{data_path} is truncated to {size} bytes (no meta page)")
+        (magic,) = struct.unpack_from("<I", head, _META_MAGIC_OFF)
+        if magic != _LMDB_MAGIC:
+            return  # not ours to judge here: lmdb.open reports it cleanly
+        (psize,) = struct.unpack_from("<I", head, _META_PSIZE_OFF)
+        if psize < 512 or psize & (psize - 1):
+            raise StorageCorrupted(f"{data_path}: implausible page size {psize} in its meta page")
+        f.seek(psize)
+        second = f.read(_META_TXNID_OFF + 8)
+    metas = [head]
+    if len(second) == _META_TXNID_OFF + 8:
+        metas.append(second)
+    elif size < 2 * psize:
+        raise StorageCorrupted(f"{data_path} is truncated to {size} bytes (second meta page missing)")
+    newest = max(metas, key=lambda m: struct.unpack_from("<Q", m, _META_TXNID_OFF)[0])
+    (last_pg,) = struct.unpack_from("<Q", newest, _META_LAST_PG_OFF)
+    need = (last_pg + 1) * psize
+    if size < need:
+        raise StorageCorrupted(
+            f"{data_path} is truncated: {size} bytes, but its newest meta page uses pages "
+            f"up to {last_pg} ({need} bytes); rebuild this replica from its peers"
+        )
+
+
 class LmdbStorage:
     """Implements both :class:`~dledger.storage.base.LogStorage` and
     :class:`~dledger.storage.base.StableStore` on one LMDB environment."""
@@ -199,6 +246,7 @@ class LmdbStorage:
         self.map_growths = 0
 
         os.makedirs(self.path, exist_ok=True)
+        _check_data_file_size(os.path.join(self.path, "data.mdb"))
         durable = flush == "sync"
         try:
             self._env = lmdb.open(

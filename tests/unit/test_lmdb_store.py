@@ -579,3 +579,22 @@ def test_matches_memory_storage(data: st.DataObject) -> None:
             assert s.verify_all() == mem.last_index() - mem.first_index() + 1
         finally:
             s.close()
+
+
+@pytest.mark.parametrize("keep", [0.9, 0.5, 0.01])
+def test_truncated_data_file_is_refused_before_lmdb_maps_it(tmp_path: Path, keep: float) -> None:
+    """A truncated data.mdb would SIGBUS the process inside LMDB's mmap; it
+    must be reported as StorageCorrupted instead."""
+    write_marked_log(tmp_path, 400)
+    data_file = tmp_path / "data.mdb"
+    size = data_file.stat().st_size
+    with open(data_file, "r+b") as f:
+        f.truncate(int(size * keep))
+    with pytest.raises(StorageCorrupted, match="truncated"):
+        LmdbStorage(tmp_path)
+
+
+def test_intact_data_file_passes_the_size_check(tmp_path: Path) -> None:
+    es = write_marked_log(tmp_path, 400)
+    with LmdbStorage(tmp_path) as s:
+        assert s.last_index() == len(es)

@@ -172,6 +172,14 @@ _META_LAST_PG_OFF = _META_PSIZE_OFF + 96
 _META_TXNID_OFF = _META_LAST_PG_OFF + 8
 
 
+def _unkey(key: bytes | memoryview) -> int:
+    """Index (or term) of an 8-byte big-endian key; a damaged B-tree can hand
+    back a key of another length, which is corruption, not a crash."""
+    if len(key) != _KEY.size:
+        raise StorageCorrupted(f"a {len(key)}-byte key where 8 bytes were expected (damaged file)")
+    return int(_KEY.unpack(key)[0])
+
+
 def _check_data_file_size(data_path: str) -> None:
     """Refuse a truncated ``data.mdb`` before LMDB maps it.
 
@@ -385,7 +393,7 @@ class LmdbStorage:
             body = _unseal(kb, value, _EPOCH.size) if len(kb) == _KEY.size else None
             if body is None:
                 raise self._corrupt(None, f"the epoch record {kb.hex()} failed its CRC check")
-            (term,) = _KEY.unpack(kb)
+            term = _unkey(kb)
             pos, idx = _EPOCH.unpack(body)
             # Keys iterate in term order; starts must follow it strictly.
             if idxs and (idx <= idxs[-1] or pos < poss[-1]):
@@ -419,9 +427,9 @@ class LmdbStorage:
             if terms != [offset_term] or idxs != [offset] or poss != [offset_pos]:
                 raise self._corrupt(offset, "the epoch map does not match the compaction marker")
             return offset, offset_term, offset_pos
-        first = _KEY.unpack(cur.key())[0]
+        first = _unkey(cur.key())
         cur.last()
-        last = _KEY.unpack(cur.key())[0]
+        last = _unkey(cur.key())
         if first != offset + 1:
             raise self._corrupt(
                 min(first, offset + 1),
@@ -443,7 +451,7 @@ class LmdbStorage:
         if not cur.set_key(_KEY.pack(start)):
             raise self._corrupt(start, "the record is missing")
         for key, value in cur.iternext():
-            index = _KEY.unpack(key)[0]
+            index = _unkey(key)
             if index != expect:
                 raise self._corrupt(expect, "the record is missing (the log has a gap)")
             e = self._decode(value, index)
@@ -573,7 +581,7 @@ class LmdbStorage:
                     raise self._corrupt(lo, "the record is missing")
                 expect = lo
                 for key, value in cur.iternext():
-                    index = _KEY.unpack(key)[0]
+                    index = _unkey(key)
                     if index != expect:
                         raise self._corrupt(expect, "the record is missing (the log has a gap)")
                     e = self._decode(value, index)
@@ -839,7 +847,7 @@ def _delete_from(cur: lmdb.Cursor[bytes], lo: int, hi: int | None) -> None:
         return
     while True:
         key = cur.key()
-        if not key or (hi is not None and _KEY.unpack(key)[0] > hi):
+        if not key or (hi is not None and _unkey(key) > hi):
             return
         # mdb_cursor_del leaves the cursor on the following record.
         if not cur.delete():

@@ -201,10 +201,11 @@ class RaftLog:
         self._unstable.extend(ents)
         self._last_end_pos = ents[-1].end_pos
 
-    def restore(self, snap: SnapshotMeta) -> None:
+    def restore(self, snap: SnapshotMeta, allow_rollback: bool = False) -> None:
         """Replace the whole log by a snapshot past our commit index (pending
-        until the driver persists it)."""
-        if snap.index <= self.committed:
+        until the driver persists it). ``allow_rollback`` is for a fault
+        switch only (the simulator must catch it)."""
+        if snap.index <= self.committed and not allow_rollback:
             raise InvariantViolation(
                 f"restoring snapshot {snap.index} at or below the commit index {self.committed}"
             )

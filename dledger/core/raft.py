@@ -97,6 +97,7 @@ FAULT_SKIP_VOTE_PERSIST = "skip_vote_persist"  # vote not written to stable stor
 FAULT_VOTE_DESPITE_LEADER = "vote_despite_leader"  # no stickiness
 FAULT_LEASE_IGNORES_EXPIRY = "lease_ignores_expiry"  # serve reads under an expired lease
 FAULT_TRUNCATE_WITHOUT_CONFLICT = "truncate_without_conflict"  # SCENARIOS 6
+FAULT_INSTALL_STALE_SNAPSHOT = "install_stale_snapshot"  # SCENARIOS 9: roll back to it
 CORE_FAULTS = frozenset(
     {
         FAULT_COMMIT_OLD_TERM,
@@ -104,6 +105,7 @@ CORE_FAULTS = frozenset(
         FAULT_VOTE_DESPITE_LEADER,
         FAULT_LEASE_IGNORES_EXPIRY,
         FAULT_TRUNCATE_WITHOUT_CONFLICT,
+        FAULT_INSTALL_STALE_SNAPSHOT,
     }
 )
 
@@ -151,6 +153,13 @@ class RawNode:
         (and restored its state machine from), if any; ``applied`` the index
         its state machine has applied (at least the snapshot's)."""
         cfg.validate()
+        if snapshot is None and log_storage.first_index() > 1:
+            # Without the snapshot the membership (and the state) before the
+            # stored log are unknown: refuse instead of silently using
+            # cfg.peers.
+            raise InvariantViolation(
+                f"the stored log starts at {log_storage.first_index()} but no snapshot was given"
+            )
         self.cfg = cfg
         self.id = cfg.node_id
         self._rng = rng
@@ -751,19 +760,20 @@ class RawNode:
         meta = m.snapshot
         if meta is None:
             return
-        if meta.index <= self.log.committed:
+        stale_ok = FAULT_INSTALL_STALE_SNAPSHOT in self._faults
+        if meta.index <= self.log.committed and not stale_ok:
             # Stale or duplicated: we already hold (and may have applied) more;
             # installing it would roll the state machine back.
             self._send(
                 Message(MsgType.APP_RESP, m.frm, self.id, self.term, index=self.log.committed)
             )
             return
-        if self.log.match_term(meta.index, meta.term):
+        if self.log.match_term(meta.index, meta.term) and not stale_ok:
             # Our log already holds the snapshot's last entry: it is committed,
             # so just commit up to it and keep our (matching) entries.
             self.log.commit_to(meta.index)
         else:
-            self.log.restore(meta)
+            self.log.restore(meta, allow_rollback=stale_ok)
             self._installing = Snapshot(meta, m.snapshot_data)
             self.config = meta.config
         self._send(Message(MsgType.APP_RESP, m.frm, self.id, self.term, index=meta.index))

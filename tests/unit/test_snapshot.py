@@ -280,3 +280,28 @@ def test_codec_round_trips_a_snapshot_message() -> None:
     for cut in (1, 12, 40):
         with pytest.raises(CodecError):
             decode_message(reseal_message(body[:-cut]))
+
+
+def test_reported_snapshot_failure_sends_it_again_at_once() -> None:
+    net = lagging_follower_net()
+    net.dropped_types.add(MsgType.SNAPSHOT)
+    net.tick([1])
+    leader = net.nodes[1]
+    assert leader.status().peers[3].state == "SNAPSHOT"
+    net.dropped_types.clear()
+    leader.report_snapshot(3, ok=False)
+    assert leader.status().peers[3].state == "PROBE"
+    net.tick([1])  # the next heartbeat answer probes, hits the compacted log again
+    assert len(of_type(net.delivered, MsgType.SNAPSHOT)) == 1
+    assert net.nodes[3].log.committed == leader.log.committed
+
+
+def test_memory_storage_keeps_the_synced_snapshot_across_a_crash() -> None:
+    st = preload(ents(1, 1, 1), term=1, commit=3)
+    a = Snapshot(SnapshotMeta(2, 1, 0, CFG), b"a")
+    st.save_snapshot(a)
+    st.compact(3, 1, 0)
+    st.sync()
+    st.save_snapshot(Snapshot(SnapshotMeta(3, 1, 0, CFG), b"b"))
+    st.crash()  # the unsynced newer snapshot is lost, the synced one stays
+    assert st.snapshot() == a and st.first_index() == 3 and st.term(2) == 1

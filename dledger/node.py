@@ -728,6 +728,19 @@ class Node:
         st = self._storage
         assert st is not None
         self.counters["readies"] += 1
+        if rd.snapshot is not None:
+            # Unreachable today: this runtime never reports a snapshot to its
+            # core, so no leader has one to send. Installing one needs the
+            # state machine's restore and a log reset (a later step); going
+            # on without them would desynchronise the core from its storage.
+            raise DLedgerError(
+                f"received a snapshot at {rd.snapshot.meta.index}: not supported by the runtime yet"
+            )
+        if rd.snapshots_to_send:
+            logger.warning(
+                "snapshot transfer not supported by the runtime yet; not sending to %s",
+                [m.to for m in rd.snapshots_to_send],
+            )
         if rd.entries:
             st.append(rd.entries)
         if rd.hard_state is not None:

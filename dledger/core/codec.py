@@ -12,7 +12,12 @@ Message record:
   magic u16 | version u8 | type u8 | to u64 | frm u64 | term u64 |
   log_term u64 | index u64 | commit u64 | reject_hint u64 | context u64 |
   flags u8 | n_entries u32 | entries (each an entry record prefixed by u32
-  length) | crc u32 (over everything before it)
+  length) | [snapshot section, when flag 0x04] | crc u32 (over everything
+  before it)
+Flags: 0x01 reject, 0x02 force, 0x04 a snapshot section follows the entries:
+  index u64 | term u64 | end_pos u64 | n_voters u32 | n_learners u32 |
+  voter ids u64... | learner ids u64... | data_len u32 | data
+Messages without a snapshot encode exactly as before the flag existed.
 """
 
 from __future__ import annotations
@@ -20,7 +25,16 @@ from __future__ import annotations
 import struct
 import zlib
 
-from dledger.core.types import ConfChange, ConfChangeType, Entry, EntryType, Message, MsgType
+from dledger.core.types import (
+    ClusterConfig,
+    ConfChange,
+    ConfChangeType,
+    Entry,
+    EntryType,
+    Message,
+    MsgType,
+    SnapshotMeta,
+)
 from dledger.errors import CodecError
 
 ENTRY_MAGIC = 0xD1E0
@@ -32,6 +46,12 @@ _CRC = struct.Struct("<I")
 _MSG_HDR = struct.Struct("<HBBQQQQQQQQBI")
 _U32 = struct.Struct("<I")
 _CONF = struct.Struct("<BQ")
+_SNAP_HDR = struct.Struct("<QQQII")
+_U64 = struct.Struct("<Q")
+_FLAG_REJECT = 0x01
+_FLAG_FORCE = 0x02
+_FLAG_SNAPSHOT = 0x04
+_KNOWN_FLAGS = _FLAG_REJECT | _FLAG_FORCE | _FLAG_SNAPSHOT
 
 ENTRY_OVERHEAD = _ENTRY_HDR.size + _CRC.size
 _ENTRY_TYPES: dict[int, EntryType] = {int(t): t for t in EntryType}
@@ -72,7 +92,11 @@ def _decode_entry_at(mv: memoryview, off: int, length: int) -> Entry:
 
 
 def encode_message(m: Message) -> bytes:
-    flags = (1 if m.reject else 0) | (2 if m.force else 0)
+    flags = (
+        (_FLAG_REJECT if m.reject else 0)
+        | (_FLAG_FORCE if m.force else 0)
+        | (_FLAG_SNAPSHOT if m.snapshot is not None else 0)
+    )
     parts = [
         _MSG_HDR.pack(
             MSG_MAGIC,
@@ -94,6 +118,17 @@ def encode_message(m: Message) -> bytes:
         rec = encode_entry(e)
         parts.append(_U32.pack(len(rec)))
         parts.append(rec)
+    snap = m.snapshot
+    if snap is not None:
+        cfg = snap.config
+        parts.append(
+            _SNAP_HDR.pack(snap.index, snap.term, snap.end_pos, len(cfg.voters), len(cfg.learners))
+        )
+        parts.extend(_U64.pack(i) for i in (*cfg.voters, *cfg.learners))
+        parts.append(_U32.pack(len(m.snapshot_data)))
+        parts.append(m.snapshot_data)
+    elif m.snapshot_data:
+        raise CodecError("snapshot data without snapshot meta")
     body = b"".join(parts)
     return body + _CRC.pack(zlib.crc32(body))
 
@@ -116,8 +151,8 @@ def decode_message(buf: bytes | memoryview) -> Message:
         mt = MsgType(mtype)
     except ValueError:
         raise CodecError(f"unknown message type {mtype}") from None
-    if flags & ~0x03:
-        raise CodecError(f"unknown message flag bits 0x{flags & ~0x03:02x}")
+    if flags & ~_KNOWN_FLAGS:
+        raise CodecError(f"unknown message flag bits 0x{flags & ~_KNOWN_FLAGS:02x}")
     off = _MSG_HDR.size
     end = len(mv) - _CRC.size
     entries = []
@@ -130,6 +165,10 @@ def decode_message(buf: bytes | memoryview) -> Message:
             raise CodecError("message truncated inside an entry")
         entries.append(_decode_entry_at(mv, off, ln))
         off += ln
+    snap: SnapshotMeta | None = None
+    data = b""
+    if flags & _FLAG_SNAPSHOT:
+        snap, data, off = _decode_snapshot_at(mv, off, end)
     if off != end:
         raise CodecError(f"{end - off} trailing bytes after the message's entries")
     return Message(
@@ -141,11 +180,34 @@ def decode_message(buf: bytes | memoryview) -> Message:
         index=index,
         entries=tuple(entries),
         commit=commit,
-        reject=bool(flags & 1),
+        reject=bool(flags & _FLAG_REJECT),
         reject_hint=hint,
         context=ctx,
-        force=bool(flags & 2),
+        force=bool(flags & _FLAG_FORCE),
+        snapshot=snap,
+        snapshot_data=data,
     )
+
+
+def _decode_snapshot_at(mv: memoryview, off: int, end: int) -> tuple[SnapshotMeta, bytes, int]:
+    if off + _SNAP_HDR.size > end:
+        raise CodecError("message truncated inside its snapshot header")
+    index, term, end_pos, nv, nl = _SNAP_HDR.unpack_from(mv, off)
+    off += _SNAP_HDR.size
+    if off + 8 * (nv + nl) + 4 > end:
+        raise CodecError("message truncated inside its snapshot config")
+    ids = [_U64.unpack_from(mv, off + 8 * k)[0] for k in range(nv + nl)]
+    off += 8 * (nv + nl)
+    (ln,) = _U32.unpack_from(mv, off)
+    off += 4
+    if off + ln > end:
+        raise CodecError("message truncated inside its snapshot data")
+    data = bytes(mv[off : off + ln])
+    off += ln
+    voters, learners = tuple(ids[:nv]), tuple(ids[nv:])
+    if list(voters) != sorted(set(voters)) or list(learners) != sorted(set(learners)):
+        raise CodecError("snapshot config ids are not sorted and unique")
+    return SnapshotMeta(index, term, end_pos, ClusterConfig(voters, learners)), data, off
 
 
 def encode_conf_change(cc: ConfChange) -> bytes:

@@ -14,6 +14,11 @@ followers and applying them does not read and CRC-check them back from disk.
 The cache only ever holds a contiguous run ending right below the unstable
 part; truncating a conflicting suffix trims it the same way.
 
+A snapshot received from the leader (``restore``) replaces the whole log:
+until the driver has persisted it (``snapshot_persisted``) it is *pending*:
+the log is empty after its index, its term answers ``term(index)``, and
+everything before it reads as compacted, whatever the storage still holds.
+
 Invariants: ``applied <= committed <= last_index()``; ``committed`` never
 decreases (raising :class:`InvariantViolation` instead); the storage is only
 read here, never written.
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dledger.core.types import Entry
+from dledger.core.types import Entry, SnapshotMeta
 from dledger.errors import Compacted, InvariantViolation
 from dledger.storage.base import LogStorage
 
@@ -36,8 +41,10 @@ class RaftLog:
         applied: int,
         cache_entries_max: int = 65536,
         cache_bytes_max: int = 64 << 20,
+        snapshot: SnapshotMeta | None = None,
     ) -> None:
         self.storage = storage
+        self._pending: SnapshotMeta | None = None
         self._unstable: list[Entry] = []
         self._unstable_offset = storage.last_index() + 1
         self._cache: list[Entry] = []
@@ -49,13 +56,28 @@ class RaftLog:
         # A saved commit index past the durable log (a damaged or truncated
         # tail) is clamped, never trusted: we cannot apply what we lack.
         self.committed = min(committed, last)
-        self.applied = max(min(applied, self.committed), storage.first_index() - 1)
+        floor = storage.first_index() - 1
+        if snapshot is not None:
+            if not floor <= snapshot.index <= last or storage.term(snapshot.index) != snapshot.term:
+                raise InvariantViolation(
+                    f"snapshot at {snapshot.index}@t{snapshot.term} does not match the stored "
+                    f"log [{floor + 1}, {last}]"
+                )
+            # The state machine already holds everything up to the snapshot:
+            # never apply those entries again.
+            floor = snapshot.index
+        self.applied = max(min(applied, self.committed), floor)
         self.committed = max(self.committed, self.applied)
         self._last_end_pos = self._end_pos_of(last)
 
     # -- reads --------------------------------------------------------------
     def first_index(self) -> int:
+        if self._pending is not None:
+            return self._pending.index + 1
         return self.storage.first_index()
+
+    def pending_snapshot(self) -> SnapshotMeta | None:
+        return self._pending
 
     def last_index(self) -> int:
         return self._unstable_offset - 1 + len(self._unstable)
@@ -76,6 +98,10 @@ class RaftLog:
         if index >= self._unstable_offset:
             k = index - self._unstable_offset
             return self._unstable[k].term if k < len(self._unstable) else 0
+        if self._pending is not None:
+            if index == self._pending.index:
+                return self._pending.term
+            raise Compacted(f"index {index} is covered by the snapshot at {self._pending.index}")
         if index >= self._cache_offset:
             return self._cache[index - self._cache_offset].term
         return self.storage.term(index)
@@ -97,6 +123,8 @@ class RaftLog:
         hi = min(hi, self.last_index() + 1)
         if lo >= hi:
             return []
+        if self._pending is not None and lo <= self._pending.index:
+            raise Compacted(f"index {lo} is covered by the snapshot at {self._pending.index}")
         out: list[Entry] = []
         budget = max_bytes
         if lo < self._unstable_offset:
@@ -172,6 +200,40 @@ class RaftLog:
                 self._cache_bytes -= sum(len(e.data) for e in dropped)
         self._unstable.extend(ents)
         self._last_end_pos = ents[-1].end_pos
+
+    def restore(self, snap: SnapshotMeta, allow_rollback: bool = False) -> None:
+        """Replace the whole log by a snapshot past our commit index (pending
+        until the driver persists it). ``allow_rollback`` is for a fault
+        switch only (the simulator must catch it)."""
+        if snap.index <= self.committed and not allow_rollback:
+            raise InvariantViolation(
+                f"restoring snapshot {snap.index} at or below the commit index {self.committed}"
+            )
+        self._pending = snap
+        self._unstable = []
+        self._unstable_offset = snap.index + 1
+        self._cache = []
+        self._cache_bytes = 0
+        self._cache_offset = self._unstable_offset
+        self.committed = snap.index
+        self.applied = snap.index
+        self._last_end_pos = snap.end_pos
+
+    def snapshot_persisted(self, snap: SnapshotMeta) -> None:
+        """The driver reset the stored log to ``snap`` (Ready.snapshot)."""
+        if self._pending == snap:
+            self._pending = None
+
+    def end_pos(self, index: int) -> int:
+        """End CommitLog position of entry ``index`` (which must be readable
+        or be the entry right before the first one)."""
+        if index == self.first_index() - 1:
+            if self._pending is not None:
+                return self._pending.end_pos
+            return self.storage.front_pos()
+        if index == 0:
+            return 0
+        return self.entries(index, index + 1)[0].end_pos
 
     def commit_to(self, index: int) -> bool:
         if index <= self.committed:

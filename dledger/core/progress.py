@@ -8,6 +8,10 @@ A follower is in one of two states:
 * REPLICATE: the follower matched recently; stream entries optimistically,
   advancing ``next`` as we send, with at most ``max_inflight`` unacknowledged
   messages in flight (pipelining with a bounded window).
+* SNAPSHOT: the follower needs entries we compacted; a snapshot at
+  ``pending_snapshot`` was sent. Nothing else is sent until a reply shows it
+  matched (then REPLICATE) or the transfer is given up (then PROBE, which
+  hits the compacted log again and sends a fresh snapshot).
 
 ``match`` never moves backwards: a stale success reply (delayed or
 duplicated) carries a lower index and is ignored (SCENARIOS 7).
@@ -22,6 +26,7 @@ from collections import deque
 class ProgressState(enum.IntEnum):
     PROBE = 0
     REPLICATE = 1
+    SNAPSHOT = 2
 
 
 class Progress:
@@ -31,8 +36,10 @@ class Progress:
         "match",
         "max_inflight",
         "next",
+        "pending_snapshot",
         "probe_sent",
         "recent_active",
+        "snapshot_sent_tick",
         "state",
     )
 
@@ -45,6 +52,8 @@ class Progress:
         self.max_inflight = max_inflight
         self.recent_active = False
         self.is_learner = is_learner
+        self.pending_snapshot = 0
+        self.snapshot_sent_tick = 0
 
     def __repr__(self) -> str:
         return (
@@ -55,6 +64,13 @@ class Progress:
     def become_probe(self) -> None:
         self.state = ProgressState.PROBE
         self.next = self.match + 1
+        self.probe_sent = False
+        self.inflight.clear()
+
+    def become_snapshot(self, index: int, tick: int) -> None:
+        self.state = ProgressState.SNAPSHOT
+        self.pending_snapshot = index
+        self.snapshot_sent_tick = tick
         self.probe_sent = False
         self.inflight.clear()
 
@@ -78,7 +94,10 @@ class Progress:
         """A rejection of the append whose previous index was ``rejected``.
 
         Returns False for a stale rejection (one that no longer matches what we
-        last sent), which must be ignored."""
+        last sent), which must be ignored. While a snapshot is in flight no
+        append was sent, so every rejection is stale."""
+        if self.state is ProgressState.SNAPSHOT:
+            return False
         if self.state is ProgressState.REPLICATE:
             if rejected <= self.match:
                 return False
@@ -93,6 +112,8 @@ class Progress:
     def is_paused(self) -> bool:
         if self.state is ProgressState.PROBE:
             return self.probe_sent
+        if self.state is ProgressState.SNAPSHOT:
+            return True
         return len(self.inflight) >= self.max_inflight
 
     def sent_entries(self, last_index: int | None) -> None:

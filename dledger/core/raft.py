@@ -31,6 +31,23 @@ elect another leader before the lease ends, up to the drift margin between
 tick rates. A transfer gives the lease up at once (the transferee's forced
 campaign bypasses stickiness), and an aborted transfer leaves the lease off
 for the rest of the term, because a delayed TimeoutNow could still arrive.
+
+Snapshots
+---------
+The application owns snapshots: after applying, it may save its state at
+the applied index together with :meth:`RawNode.snapshot_meta` and then call
+:meth:`RawNode.snapshot_taken`, which answers how far the driver may compact
+the stored log (keeping ``snapshot_trailing_entries`` behind the snapshot so
+slightly-behind followers still get entries). A leader that needs compacted
+entries for a follower puts a SNAPSHOT message for it into
+``Ready.snapshots_to_send`` (the driver attaches the payload) and stops
+replicating to it until it answers (or ``snapshot_retry_ticks`` pass, or
+``report_snapshot(failed)``). A follower whose commit index is at or past the
+snapshot acknowledges and ignores it, so a stale or duplicated snapshot never
+rolls anything back; otherwise its log becomes the snapshot (``Ready.snapshot``,
+persisted before the acknowledgement leaves) and commit = applied = its index.
+A restart passes the latest durable snapshot back in: its config is the base
+membership and nothing at or below its index is applied again.
 """
 
 from __future__ import annotations
@@ -45,6 +62,7 @@ from dledger.core.progress import Progress, ProgressState
 from dledger.core.types import (
     NONE,
     ClusterConfig,
+    Compaction,
     ConfChange,
     ConfChangeType,
     Entry,
@@ -58,6 +76,8 @@ from dledger.core.types import (
     ReadState,
     Ready,
     Role,
+    Snapshot,
+    SnapshotMeta,
     SoftState,
 )
 from dledger.errors import (
@@ -77,6 +97,7 @@ FAULT_SKIP_VOTE_PERSIST = "skip_vote_persist"  # vote not written to stable stor
 FAULT_VOTE_DESPITE_LEADER = "vote_despite_leader"  # no stickiness
 FAULT_LEASE_IGNORES_EXPIRY = "lease_ignores_expiry"  # serve reads under an expired lease
 FAULT_TRUNCATE_WITHOUT_CONFLICT = "truncate_without_conflict"  # SCENARIOS 6
+FAULT_INSTALL_STALE_SNAPSHOT = "install_stale_snapshot"  # SCENARIOS 9: roll back to it
 CORE_FAULTS = frozenset(
     {
         FAULT_COMMIT_OLD_TERM,
@@ -84,6 +105,7 @@ CORE_FAULTS = frozenset(
         FAULT_VOTE_DESPITE_LEADER,
         FAULT_LEASE_IGNORES_EXPIRY,
         FAULT_TRUNCATE_WITHOUT_CONFLICT,
+        FAULT_INSTALL_STALE_SNAPSHOT,
     }
 )
 
@@ -125,8 +147,19 @@ class RawNode:
         stable: StableStore,
         rng: random.Random,
         applied: int = 0,
+        snapshot: SnapshotMeta | None = None,
     ) -> None:
+        """``snapshot`` is the latest snapshot the application durably holds
+        (and restored its state machine from), if any; ``applied`` the index
+        its state machine has applied (at least the snapshot's)."""
         cfg.validate()
+        if snapshot is None and log_storage.first_index() > 1:
+            # Without the snapshot the membership (and the state) before the
+            # stored log are unknown: refuse instead of silently using
+            # cfg.peers.
+            raise InvariantViolation(
+                f"the stored log starts at {log_storage.first_index()} but no snapshot was given"
+            )
         self.cfg = cfg
         self.id = cfg.node_id
         self._rng = rng
@@ -135,8 +168,16 @@ class RawNode:
         self.term = hs.term
         self.vote = hs.vote
         self.log = RaftLog(
-            log_storage, hs.commit, applied, cfg.log_cache_entries_max, cfg.log_cache_bytes_max
+            log_storage,
+            hs.commit,
+            applied,
+            cfg.log_cache_entries_max,
+            cfg.log_cache_bytes_max,
+            snapshot,
         )
+        self._snapshot = snapshot  # the latest durable snapshot (what we send)
+        self._installing: Snapshot | None = None  # received, in the next Ready
+        self._snap_msgs: list[Message] = []
         self._prev_hs = HardState(hs.term, hs.vote, self.log.committed)
         self.config = self._config_at(self.log.applied)
         self.lead = NONE
@@ -188,12 +229,12 @@ class RawNode:
                 return  # heard from a live leader recently: ignore, no reply
             if m.type is MsgType.PRE_VOTE or (m.type is MsgType.PRE_VOTE_RESP and not m.reject):
                 pass  # a pre-vote never changes anyone's term
-            elif m.type in (MsgType.APP, MsgType.HEARTBEAT):
+            elif m.type in (MsgType.APP, MsgType.HEARTBEAT, MsgType.SNAPSHOT):
                 self._become_follower(m.term, m.frm)
             else:
                 self._become_follower(m.term, NONE)
         elif m.term < self.term:
-            if m.type in (MsgType.APP, MsgType.HEARTBEAT):
+            if m.type in (MsgType.APP, MsgType.HEARTBEAT, MsgType.SNAPSHOT):
                 # A stale leader (e.g. healed after a partition) must learn the
                 # new term, or with pre-vote it could wait forever.
                 self._send(Message(MsgType.APP_RESP, m.frm, self.id, self.term))
@@ -280,6 +321,40 @@ class RawNode:
         else:
             self._send_append(to)
 
+    def snapshot_meta(self) -> SnapshotMeta:
+        """Meta for a snapshot of the state machine as of the applied index
+        (call between ``advance`` and the next ``ready``)."""
+        i = self.log.applied
+        return SnapshotMeta(i, self.log.term(i), self.log.end_pos(i), self.config)
+
+    def snapshot_taken(self, meta: SnapshotMeta) -> Compaction | None:
+        """The application durably saved a snapshot at ``meta`` (from
+        :meth:`snapshot_meta`). Returns how far the driver may now compact the
+        stored log (``LogStorage.compact(c.upto, c.term, c.pos)``), if at all."""
+        if meta.index > self.log.applied:
+            raise InvariantViolation(f"snapshot {meta.index} beyond applied {self.log.applied}")
+        if self._snapshot is not None and meta.index <= self._snapshot.index:
+            return None  # older than what we already hold
+        self._snapshot = meta
+        upto = meta.index + 1 - self.cfg.snapshot_trailing_entries
+        if upto <= self.log.first_index():
+            return None
+        return Compaction(upto, self.log.term(upto - 1), self.log.end_pos(upto - 1))
+
+    def latest_snapshot(self) -> SnapshotMeta | None:
+        return self._snapshot
+
+    def report_snapshot(self, to: int, ok: bool) -> None:
+        """The driver failed (``ok=False``) to deliver a snapshot: try again."""
+        pr = self._progress.get(to)
+        if (
+            not ok
+            and self.role is Role.LEADER
+            and pr is not None
+            and pr.state is ProgressState.SNAPSHOT
+        ):
+            pr.become_probe()
+
     def campaign(self) -> None:
         """Start an election now (used by tests and by a single-node bootstrap)."""
         if self.role is not Role.LEADER and self._promotable():
@@ -292,6 +367,8 @@ class RawNode:
         self._flush_pending()
         return bool(
             self._msgs
+            or self._snap_msgs
+            or self._installing is not None
             or self._read_states
             or self._read_failures
             or self.log.unstable_entries()
@@ -316,9 +393,14 @@ class RawNode:
             read_states=tuple(self._read_states),
             read_failures=tuple(self._read_failures),
             must_sync=bool(entries)
+            or self._installing is not None
             or hs.term != self._prev_hs.term
             or hs.vote != self._prev_hs.vote,
+            snapshot=self._installing,
+            snapshots_to_send=tuple(self._snap_msgs),
         )
+        self._installing = None
+        self._snap_msgs = []
         self._msgs = []
         self._read_states = []
         self._read_failures = []
@@ -328,6 +410,10 @@ class RawNode:
 
     def advance(self, rd: Ready) -> None:
         """The driver persisted, sent and applied ``rd``."""
+        if rd.snapshot is not None:
+            self.log.snapshot_persisted(rd.snapshot.meta)
+            if self._snapshot is None or rd.snapshot.meta.index > self._snapshot.index:
+                self._snapshot = rd.snapshot.meta
         if rd.entries:
             last = rd.entries[-1]
             self.log.stable_to(last.index, last.term)
@@ -589,7 +675,7 @@ class RawNode:
 
     def _step_candidate(self, m: Message) -> None:
         my_resp = MsgType.PRE_VOTE_RESP if self.role is Role.PRE_CANDIDATE else MsgType.VOTE_RESP
-        if m.type in (MsgType.APP, MsgType.HEARTBEAT):
+        if m.type in (MsgType.APP, MsgType.HEARTBEAT, MsgType.SNAPSHOT):
             # A leader of our term exists (term equal here).
             self._become_follower(m.term, m.frm)
             self._step_follower(m)
@@ -620,6 +706,11 @@ class RawNode:
             self._send(
                 Message(MsgType.HEARTBEAT_RESP, m.frm, self.id, self.term, context=m.context)
             )
+        elif m.type is MsgType.SNAPSHOT:
+            self._election_elapsed = 0
+            self._last_leader_contact = self._tick_count
+            self.lead = m.frm
+            self._handle_snapshot(m)
         elif m.type is MsgType.TIMEOUT_NOW and m.frm == self.lead and self._promotable():
             # Transfer: campaign at once, bypassing pre-vote and stickiness.
             self._campaign(pre=False, force=True)
@@ -665,6 +756,28 @@ class RawNode:
                 )
             )
 
+    def _handle_snapshot(self, m: Message) -> None:
+        meta = m.snapshot
+        if meta is None:
+            return
+        stale_ok = FAULT_INSTALL_STALE_SNAPSHOT in self._faults
+        if meta.index <= self.log.committed and not stale_ok:
+            # Stale or duplicated: we already hold (and may have applied) more;
+            # installing it would roll the state machine back.
+            self._send(
+                Message(MsgType.APP_RESP, m.frm, self.id, self.term, index=self.log.committed)
+            )
+            return
+        if self.log.match_term(meta.index, meta.term) and not stale_ok:
+            # Our log already holds the snapshot's last entry: it is committed,
+            # so just commit up to it and keep our (matching) entries.
+            self.log.commit_to(meta.index)
+        else:
+            self.log.restore(meta, allow_rollback=stale_ok)
+            self._installing = Snapshot(meta, m.snapshot_data)
+            self.config = meta.config
+        self._send(Message(MsgType.APP_RESP, m.frm, self.id, self.term, index=meta.index))
+
     def _find_conflict(self, ents: tuple[Entry, ...]) -> int:
         """Index of the first entry that is new or conflicts; 0 if all present."""
         for e in ents:
@@ -697,6 +810,9 @@ class RawNode:
             if pr.maybe_update(m.index):
                 if pr.state is ProgressState.PROBE:
                     pr.become_replicate()
+                elif pr.state is ProgressState.SNAPSHOT:
+                    if pr.match + 1 >= self.log.first_index():
+                        pr.become_replicate()  # installed (or caught up otherwise)
                 else:
                     pr.free_inflight_to(m.index)
                 if self._maybe_commit():
@@ -710,6 +826,11 @@ class RawNode:
         elif m.type is MsgType.HEARTBEAT_RESP:
             pr.recent_active = True
             pr.probe_sent = False
+            if (
+                pr.state is ProgressState.SNAPSHOT
+                and self._tick_count - pr.snapshot_sent_tick >= self.cfg.snapshot_retry_ticks
+            ):
+                pr.become_probe()  # the snapshot or its answer was lost: try again
             if pr.state is ProgressState.REPLICATE and pr.is_paused():
                 pr.free_first_inflight()
             if pr.match < self.log.last_index():
@@ -754,8 +875,8 @@ class RawNode:
             prev_term = self.log.term(prev)
             ents = self.log.entries(pr.next, self.log.last_index() + 1, self.cfg.max_msg_bytes)
         except Compacted:
-            # The follower needs entries we dropped; a snapshot transfer is
-            # the runtime's job (broker_adapter snapshots). Keep probing.
+            # The follower needs entries we dropped: send our snapshot.
+            self._send_snapshot(to, pr)
             return False
         if not ents and not send_empty:
             return False
@@ -773,6 +894,26 @@ class RawNode:
         )
         pr.sent_entries(ents[-1].index if ents else None)
         return True
+
+    def _send_snapshot(self, to: int, pr: Progress) -> None:
+        snap = self._snapshot
+        if snap is None or snap.index + 1 < self.log.first_index():
+            # Compacted without a snapshot that covers the gap (retention
+            # outside the core): nothing we can send; keep probing.
+            return
+        pr.become_snapshot(snap.index, self._tick_count)
+        self._snap_msgs.append(
+            Message(
+                MsgType.SNAPSHOT,
+                to,
+                self.id,
+                self.term,
+                log_term=snap.term,
+                index=snap.index,
+                commit=self.log.committed,
+                snapshot=snap,
+            )
+        )
 
     def _bcast_heartbeat(self) -> None:
         self._hb_round += 1
@@ -875,6 +1016,11 @@ class RawNode:
     def _config_at(self, applied: int) -> ClusterConfig:
         cfg = self.cfg.peers
         lo = self.log.first_index()
+        if self._snapshot is not None:
+            # The snapshot records the membership as of its index; only the
+            # changes after it are replayed from the log.
+            cfg = self._snapshot.config
+            lo = self._snapshot.index + 1
         if applied >= lo:
             for e in self.log.entries(lo, applied + 1):
                 if e.type is EntryType.CONF_CHANGE:

@@ -65,6 +65,7 @@ class MsgType(enum.IntEnum):
     PRE_VOTE = 7
     PRE_VOTE_RESP = 8
     TIMEOUT_NOW = 9  # leadership transfer: campaign at once
+    SNAPSHOT = 10  # InstallSnapshot: the follower needs entries the leader compacted
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +82,9 @@ class Message:
       HEARTBEAT_RESP: context echoed
       VOTE/PRE_VOTE:  index/log_term = candidate's last entry; force = sent
                       because of a leadership transfer (bypasses stickiness)
+      SNAPSHOT:       snapshot = its meta, snapshot_data = the application's
+                      opaque state (filled in by the driver, see Ready);
+                      commit; answered with APP_RESP(index = snapshot index)
       *_RESP:         reject
     """
 
@@ -96,6 +100,8 @@ class Message:
     reject_hint: int = 0
     context: int = 0
     force: bool = False
+    snapshot: SnapshotMeta | None = None
+    snapshot_data: bytes = b""
 
 
 class ConfChangeType(enum.IntEnum):
@@ -147,6 +153,39 @@ class ClusterConfig:
             learners.discard(nid)
             voters.add(nid)
         return ClusterConfig(tuple(sorted(voters)), tuple(sorted(learners)))
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotMeta:
+    """Describes an application snapshot taken at applied index ``index``.
+
+    ``term`` and ``end_pos`` are the term and end CommitLog position of entry
+    ``index`` (so the log can be matched and continued right after it);
+    ``config`` is the membership in force once ``index`` is applied. The
+    snapshot payload itself is opaque bytes owned by the application."""
+
+    index: int
+    term: int
+    end_pos: int
+    config: ClusterConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A snapshot to install: its meta and the application's opaque payload."""
+
+    meta: SnapshotMeta
+    data: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Compaction:
+    """The driver may drop log entries below ``upto`` (``LogStorage.compact``);
+    ``term`` and ``pos`` describe entry ``upto - 1``."""
+
+    upto: int
+    term: int
+    pos: int
 
 
 class Role(enum.IntEnum):
@@ -209,6 +248,18 @@ class Ready:
     4. ``read_states`` may be answered once the state machine has applied
        ``index``; ``read_failures`` are answered with an error at once;
     5. then ``advance(ready)`` is called.
+
+    Snapshots. ``snapshot`` (when not None) is a snapshot received from the
+    leader that replaces this node's log: in step 1, BEFORE ``entries`` are
+    appended, the driver restores its state machine from ``snapshot.data``,
+    saves the snapshot durably and resets the stored log to it (first index
+    ``meta.index + 1``, term of ``meta.index`` = ``meta.term``, front position
+    ``meta.end_pos``), all synced before any message is sent: the
+    acknowledgement to the leader is among ``messages``.
+    ``snapshots_to_send`` are SNAPSHOT messages for followers that need
+    entries the leader compacted; the driver sends each (step 2) with
+    ``snapshot_data`` set to the application's snapshot payload at
+    ``m.snapshot.index``.
     """
 
     soft_state: SoftState | None = None
@@ -219,10 +270,14 @@ class Ready:
     read_states: tuple[ReadState, ...] = ()
     read_failures: tuple[ReadFailed, ...] = ()
     must_sync: bool = False
+    snapshot: Snapshot | None = None
+    snapshots_to_send: tuple[Message, ...] = ()
 
     def is_empty(self) -> bool:
         return not (
-            self.soft_state
+            self.snapshot is not None
+            or self.snapshots_to_send
+            or self.soft_state
             or self.hard_state
             or self.entries
             or self.messages
@@ -247,6 +302,8 @@ class RaftConfig:
     transfer_max_lag: int = 1024
     log_cache_entries_max: int = 65536  # recently persisted entries kept in memory
     log_cache_bytes_max: int = 64 << 20
+    snapshot_trailing_entries: int = 1024  # kept behind a snapshot for slow followers
+    snapshot_retry_ticks: int = 20  # resend a snapshot nobody acknowledged
     check_quorum: bool = True
     pre_vote: bool = True
     faults: frozenset[str] = field(default_factory=frozenset)
@@ -266,6 +323,8 @@ class RaftConfig:
             raise ConfigError("lease_drift_ticks must be in [1, election_ticks)")
         if self.max_inflight_msgs < 1 or self.max_msg_bytes < 1:
             raise ConfigError("max_inflight_msgs and max_msg_bytes must be >= 1")
+        if self.snapshot_trailing_entries < 0 or self.snapshot_retry_ticks < 1:
+            raise ConfigError("snapshot_trailing_entries >= 0 and snapshot_retry_ticks >= 1")
         if self.transfer_max_lag < 0:
             raise ConfigError("transfer_max_lag must be >= 0")
         if not self.peers.voters:

@@ -11,9 +11,20 @@ faults and heals. Every node is a :class:`RawNode` over a
 (persist + sync, send, apply, advance), so crashing a node (``storage.crash()``)
 loses exactly what a real crash would: every write since the last sync.
 
+Each node's state machine is a running digest of the entries it applied
+(index, term, CRC), so two replicas agree on their applied prefix up to ``i``
+iff their digests at ``i`` agree. Nodes snapshot it now and then (the digest
+and its index are the opaque payload), which lets the core compact the log,
+sometimes keeping almost no trailing entries so that lagging followers and
+late learners really are brought up to date by InstallSnapshot; SNAPSHOT
+messages cross the same faulty network as everything else.
+
 After every event the checker verifies election safety, log matching,
-leader completeness, state-machine safety, commit monotonicity and
-durability on a quorum, read linearizability and lease exclusivity. A
+leader completeness, state-machine safety (per entry and per snapshot:
+installing a snapshot at ``i`` must give the digest everyone else had at
+``i``), commit monotonicity (a stale or duplicated snapshot never rolls a
+node back) and durability on a quorum, read linearizability and lease
+exclusivity. A
 violation raises :class:`SimViolation` carrying the seed and the trace tail.
 A run's trace hash is a digest of every event it processed: two runs of one
 seed must produce the same hash (the determinism check).
@@ -43,6 +54,7 @@ from dledger.core.types import (
     RaftConfig,
     Ready,
     Role,
+    Snapshot,
 )
 from dledger.errors import DLedgerError, InvariantViolation
 from dledger.storage.memory import MemoryStorage
@@ -99,18 +111,44 @@ class SimConfig:
     check_liveness: bool = True
     mixed: bool = False  # built by mixed_config(seed): reproduce with the seed alone
     profile: str = "mixed"
+    snapshot_rate: float = 0.03  # per handled Ready: snapshot the state machine
+    snapshot_trailing_entries: int = 5  # log entries kept behind a snapshot
+    snapshot_retry_ticks: int = 5
 
 
 class _Node:
-    __slots__ = ("applied", "commit_before", "commit_seen", "paused", "raft", "storage")
+    __slots__ = (
+        "commit_before",
+        "commit_seen",
+        "paused",
+        "raft",
+        "sm_digest",
+        "sm_index",
+        "storage",
+    )
 
-    def __init__(self, raft: RawNode, storage: MemoryStorage) -> None:
+    def __init__(self, raft: RawNode, storage: MemoryStorage, sm: tuple[int, bytes]) -> None:
         self.raft = raft
         self.storage = storage
         self.paused = False
         self.commit_seen = raft.log.committed
         self.commit_before = raft.log.committed
-        self.applied: list[tuple[int, int, bytes]] = []
+        # the state machine: how far it applied and the digest of that prefix
+        self.sm_index, self.sm_digest = sm
+
+
+def _sm_digest(prev: bytes, index: int, term: int, crc: int) -> bytes:
+    h = hashlib.blake2b(prev, digest_size=16)
+    h.update(index.to_bytes(8, "big") + term.to_bytes(8, "big") + crc.to_bytes(4, "big"))
+    return h.digest()
+
+
+def _encode_sm(index: int, digest: bytes) -> bytes:
+    return index.to_bytes(8, "big") + digest
+
+
+def _decode_sm(data: bytes) -> tuple[int, bytes]:
+    return int.from_bytes(data[:8], "big"), data[8:]
 
 
 class Simulation:
@@ -139,6 +177,8 @@ class Simulation:
         self.leader_of_term: dict[int, int] = {}
         self.entry_record: dict[tuple[int, int], tuple[int, int]] = {}
         self.applied_record: dict[int, tuple[int, int]] = {}
+        self.digest_at: dict[int, bytes] = {}  # applied-prefix digest at each index
+        self.snap_rng = random.Random(seed ^ 0x5A995407)  # snapshot timing only
         self.leader_commits: dict[int, int] = {}  # index -> term, as leaders committed
         self.max_commit = 0  # highest index known committed anywhere
         self.max_commit_entry_term = 0  # the term of that entry
@@ -159,6 +199,9 @@ class Simulation:
             "conf_changes": 0,
             "elections": 0,
             "msgs": 0,
+            "snapshots_taken": 0,
+            "snapshots_sent": 0,
+            "snapshots_installed": 0,
         }
         self.steps = 0
         for nid in self.bootstrap.members():
@@ -196,6 +239,8 @@ class Simulation:
             pre_vote=c.pre_vote,
             log_cache_entries_max=c.log_cache_entries_max,
             log_cache_bytes_max=c.log_cache_bytes_max,
+            snapshot_trailing_entries=c.snapshot_trailing_entries,
+            snapshot_retry_ticks=c.snapshot_retry_ticks,
             faults=c.faults & CORE_FAULTS,
         )
 
@@ -207,8 +252,18 @@ class Simulation:
             skew = self.rng.uniform(-self.cfg.drift, self.cfg.drift)
             self.period[nid] = int(BASE_TICK * (1 + skew))
         node_rng = random.Random(self.rng.getrandbits(64))
-        raft = RawNode(self._raft_config(nid), st, st, node_rng)
-        self.nodes[nid] = _Node(raft, st)
+        snap = st.snapshot()
+        sm = (0, b"")
+        meta = None
+        if snap is not None:
+            # Restart: the state machine comes back from the durable snapshot
+            # and the log is applied from there on, never again below it.
+            meta = snap.meta
+            sm = _decode_sm(snap.data)
+        raft = RawNode(self._raft_config(nid), st, st, node_rng, applied=sm[0], snapshot=meta)
+        if raft.log.applied != sm[0]:
+            self.fail(f"node {nid} restarted with applied {raft.log.applied}, snapshot at {sm[0]}")
+        self.nodes[nid] = _Node(raft, st, sm)
         self.incarnation[nid] = self.incarnation.get(nid, 0) + 1
         # Ticks carry the incarnation: a chain left from before a crash dies.
         self._at(
@@ -328,6 +383,8 @@ class Simulation:
             for m in rd.messages:
                 if m.type not in EARLY_SEND_TYPES:
                     self._send(m)
+            for m in rd.snapshots_to_send:
+                self._send_snapshot(nid, n, m)
             if (
                 self.faulty
                 and any(m.type is MsgType.VOTE_RESP and not m.reject for m in rd.messages)
@@ -338,6 +395,7 @@ class Simulation:
             self._apply(nid, n, rd)
             n.raft.advance(rd)
             self._after_advance(nid, n, rd, voters_before)
+            self._maybe_snapshot(nid, n)
             if (
                 self.faulty
                 and n.raft.role is Role.LEADER
@@ -350,12 +408,14 @@ class Simulation:
 
     def _persist(self, nid: int, n: _Node, rd: Ready) -> bool:
         st = n.storage
+        if rd.snapshot is not None:
+            self._install_snapshot(nid, n, rd.snapshot)
         if rd.entries:
             self._check_log_matching(nid, n, rd)
             st.append(rd.entries)
         if rd.hard_state is not None:
             st.save_hard_state(rd.hard_state)
-        if rd.entries or rd.hard_state is not None:
+        if rd.entries or rd.hard_state is not None or rd.snapshot is not None:
             if self.rng.random() < self.cfg.crash_rate / 2:
                 # A crash in the middle of a write: appended, never synced.
                 self._crash(nid, "mid-write")
@@ -378,9 +438,71 @@ class Simulation:
                 delay += self.rng.randrange(self.cfg.long_delay_ticks * BASE_TICK)
             self._at(self.now + delay, "msg", m)
 
+    # ------------------------------------------------------------------ snapshots
+    def _install_snapshot(self, nid: int, n: _Node, snap: Snapshot) -> None:
+        """Step 1 for a received snapshot: restore the state machine from the
+        payload, then save it and reset the log (durable with this Ready's sync)."""
+        meta = snap.meta
+        index, digest = _decode_sm(snap.data)
+        if index != meta.index:
+            self.fail(f"node {nid} got a snapshot whose payload is at {index}, meta {meta.index}")
+        if meta.index <= n.sm_index:
+            self.fail(
+                f"node {nid} told to install snapshot {meta.index} but its state machine "
+                f"already applied {n.sm_index} (a stale snapshot would roll it back)"
+            )
+        want = self.digest_at.setdefault(meta.index, digest)
+        if want != digest:
+            self.fail(
+                f"state machine safety: node {nid} installed a snapshot at {meta.index} whose "
+                "applied-prefix digest differs from what other nodes applied there"
+            )
+        n.sm_index, n.sm_digest = index, digest
+        n.storage.apply_snapshot(snap)
+        self.stats["snapshots_installed"] += 1
+        self._trace(f"n{nid} installs snapshot {meta.index}@t{meta.term}")
+
+    def _send_snapshot(self, nid: int, n: _Node, m: Message) -> None:
+        snap = n.storage.snapshot()
+        if snap is None or snap.meta != m.snapshot:
+            self.fail(f"leader {nid} asked to send snapshot {m.snapshot} but holds {snap}")
+            return
+        self.stats["snapshots_sent"] += 1
+        self._send(dataclasses.replace(m, snapshot_data=snap.data))
+
+    def _maybe_snapshot(self, nid: int, n: _Node) -> None:
+        """Now and then, snapshot the state machine at the applied index and
+        compact the log behind it."""
+        r = n.raft
+        latest = r.latest_snapshot()
+        if r.log.applied <= (latest.index if latest is not None else 0):
+            return
+        if self.snap_rng.random() >= self.cfg.snapshot_rate:
+            return
+        meta = r.snapshot_meta()
+        if meta.index != n.sm_index:
+            self.fail(f"node {nid}: core applied {meta.index}, state machine {n.sm_index}")
+        n.storage.save_snapshot(Snapshot(meta, _encode_sm(n.sm_index, n.sm_digest)))
+        if FAULT_NO_FSYNC not in self.cfg.faults:
+            n.storage.sync()
+        comp = r.snapshot_taken(meta)
+        if comp is not None:
+            n.storage.compact(comp.upto, comp.term, comp.pos)
+        self.stats["snapshots_taken"] += 1
+        self._trace(f"n{nid} snapshot {meta.index} compact<{comp.upto if comp else 0}")
+
     def _apply(self, nid: int, n: _Node, rd: Ready) -> None:
         for e in rd.committed_entries:
             crc = zlib.crc32(e.data)
+            if e.index != n.sm_index + 1:
+                self.fail(f"node {nid} applies {e.index} after {n.sm_index} (gap or reapply)")
+            n.sm_index = e.index
+            n.sm_digest = _sm_digest(n.sm_digest, e.index, e.term, crc)
+            if self.digest_at.setdefault(e.index, n.sm_digest) != n.sm_digest:
+                self.fail(
+                    f"state machine safety: node {nid}'s applied prefix up to {e.index} "
+                    "differs from another node's"
+                )
             rec = self.applied_record.get(e.index)
             if rec is None:
                 self.applied_record[e.index] = (e.term, crc)
@@ -463,11 +585,11 @@ class Simulation:
         for x in voters:
             n = self.nodes.get(x)
             if n is not None:
-                if n.raft.log.match_term(c, term):
+                if self._log_holds(n.raft, c, term):
                     continue
                 x_last, x_term = n.raft.log.last_index(), n.raft.log.last_term()
             elif x in self.storages:
-                if self.storages[x].durable_term(c) == term:
+                if self._durably_holds(x, c, term):
                     continue
                 x_last, x_term = self.storages[x].durable_last()
             else:
@@ -484,10 +606,20 @@ class Simulation:
                 )
 
     def _durable_on_quorum(self, index: int, term: int, voters: tuple[int, ...]) -> bool:
-        held = sum(
-            1 for v in voters if v in self.storages and self.storages[v].durable_term(index) == term
-        )
+        held = sum(1 for v in voters if v in self.storages and self._durably_holds(v, index, term))
         return held >= len(voters) // 2 + 1
+
+    def _durably_holds(self, nid: int, index: int, term: int) -> bool:
+        """Does node ``nid``'s synced image hold ``index@term``? An index below
+        its compacted front counts: only applied entries are compacted, and
+        state-machine safety checks those agree everywhere."""
+        st = self.storages[nid]
+        return st.durable_term(index) == term or st.durable_compacted(index)
+
+    @staticmethod
+    def _log_holds(r: RawNode, index: int, term: int) -> bool:
+        """``match_term`` that counts entries compacted into a snapshot."""
+        return index < r.log.first_index() - 1 or r.log.match_term(index, term)
 
     def _check_log_matching(self, nid: int, n: _Node, rd: Ready) -> None:
         log = n.raft.log
@@ -524,7 +656,7 @@ class Simulation:
                 if (
                     r.term > self.max_commit_seen_term
                     and self.max_commit
-                    and not r.log.match_term(self.max_commit, self.max_commit_entry_term)
+                    and not self._log_holds(r, self.max_commit, self.max_commit_entry_term)
                 ):
                     self.fail(
                         f"leader completeness: leader {nid} of term {r.term} lacks committed "
@@ -839,6 +971,8 @@ def mixed_config(
         # a tiny entry cache makes every path through the cache's trimming run
         log_cache_entries_max=r.choice([65536, 3, 17]),
         log_cache_bytes_max=r.choice([64 << 20, 100]),
+        # almost no trailing entries: lagging nodes need InstallSnapshot
+        snapshot_trailing_entries=r.choice([0, 1, 2, 5, 50]),
         mixed=True,
     )
     return dataclasses.replace(cfg, profile=profile, **PROFILES[profile])

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from dledger.core.types import Entry, HardState
+from dledger.core.types import Entry, HardState, Snapshot
 
 
 @runtime_checkable
@@ -64,3 +64,25 @@ class StableStore(Protocol):
     def save_hard_state(self, hs: HardState) -> None: ...
 
     def sync(self) -> None: ...
+
+
+@runtime_checkable
+class SnapshotStore(Protocol):
+    """Where a driver keeps the latest snapshot, made durable by the same
+    ``sync()`` as the log (so a crash never separates a snapshot from the log
+    reset that installing it implies)."""
+
+    def snapshot(self) -> Snapshot | None:
+        """The latest saved snapshot (meta and payload), if any."""
+        ...
+
+    def save_snapshot(self, snap: Snapshot) -> None:
+        """Record a snapshot taken locally; the log is left alone (compaction
+        is a separate ``LogStorage.compact``)."""
+        ...
+
+    def apply_snapshot(self, snap: Snapshot) -> None:
+        """Install a snapshot received from the leader: save it and reset the
+        log to it (``first_index() == meta.index + 1``, ``term(meta.index) ==
+        meta.term``, ``front_pos() == meta.end_pos``, no entries)."""
+        ...

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dledger.core.types import Entry, HardState
+from dledger.core.types import Entry, HardState, Snapshot
 from dledger.errors import Compacted
 
 
 class MemoryStorage:
-    """Implements both :class:`LogStorage` and :class:`StableStore`."""
+    """Implements :class:`LogStorage`, :class:`StableStore` and
+    :class:`SnapshotStore`; the snapshot is part of the durable image."""
 
     def __init__(self) -> None:
         # entries[k] has index offset + k + 1; offset is the last compacted index
@@ -23,7 +24,15 @@ class MemoryStorage:
         self._offset_term = 0
         self._offset_pos = 0
         self._hs = HardState()
-        self._durable: tuple[list[Entry], int, int, int, HardState] = ([], 0, 0, 0, HardState())
+        self._snap: Snapshot | None = None
+        self._durable: tuple[list[Entry], int, int, int, HardState, Snapshot | None] = (
+            [],
+            0,
+            0,
+            0,
+            HardState(),
+            None,
+        )
         self.syncs = 0
 
     # -- LogStorage --------------------------------------------------------
@@ -86,6 +95,20 @@ class MemoryStorage:
         self._offset_term = term
         self._offset_pos = pos
 
+    # -- SnapshotStore ------------------------------------------------------
+    def snapshot(self) -> Snapshot | None:
+        return self._snap
+
+    def save_snapshot(self, snap: Snapshot) -> None:
+        self._snap = snap
+
+    def apply_snapshot(self, snap: Snapshot) -> None:
+        self._snap = snap
+        self._entries = []
+        self._offset = snap.meta.index
+        self._offset_term = snap.meta.term
+        self._offset_pos = snap.meta.end_pos
+
     # -- StableStore -------------------------------------------------------
     def hard_state(self) -> HardState:
         return self._hs
@@ -101,25 +124,31 @@ class MemoryStorage:
             self._offset_term,
             self._offset_pos,
             self._hs,
+            self._snap,
         )
         self.syncs += 1
 
     def crash(self) -> None:
         """Lose every write since the last ``sync()``."""
-        entries, off, off_term, off_pos, hs = self._durable
+        entries, off, off_term, off_pos, hs, snap = self._durable
         self._entries = list(entries)
         self._offset, self._offset_term, self._offset_pos, self._hs = off, off_term, off_pos, hs
+        self._snap = snap
 
     def durable_last(self) -> tuple[int, int]:
         """(last index, last term) of the synced image (sim checks)."""
-        entries, off, off_term, _, _ = self._durable
+        entries, off, off_term, _, _, _ = self._durable
         if entries:
             return entries[-1].index, entries[-1].term
         return off, off_term
 
+    def durable_compacted(self, index: int) -> bool:
+        """Is ``index`` below the synced image's front (sim checks)?"""
+        return index < self._durable[1]
+
     def durable_term(self, index: int) -> int | None:
         """Term of ``index`` in the synced image, or None if absent (sim checks)."""
-        entries, off, off_term, _, _ = self._durable
+        entries, off, off_term, _, _, _ = self._durable
         if index == off:
             return off_term
         k = index - off - 1

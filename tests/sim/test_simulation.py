@@ -7,6 +7,7 @@ import pytest
 
 from dledger.core.raft import (
     FAULT_COMMIT_OLD_TERM,
+    FAULT_INSTALL_STALE_SNAPSHOT,
     FAULT_LEASE_IGNORES_EXPIRY,
     FAULT_SKIP_VOTE_PERSIST,
     FAULT_TRUNCATE_WITHOUT_CONFLICT,
@@ -75,6 +76,7 @@ SWITCHES = [
     (FAULT_VOTE_DESPITE_LEADER, "lease", 40),
     (FAULT_COMMIT_OLD_TERM, "figure8", 150),
     (FAULT_SKIP_VOTE_PERSIST, "vote-loss", 40),
+    (FAULT_INSTALL_STALE_SNAPSHOT, "mixed", 20),
 ]
 
 

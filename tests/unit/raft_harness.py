@@ -11,6 +11,7 @@ steps nodes by hand and looks at ``read_messages(node)``.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -31,6 +32,8 @@ from dledger.core.types import (
     ReadState,
     Ready,
     Role,
+    Snapshot,
+    SnapshotMeta,
 )
 from dledger.storage.memory import MemoryStorage
 
@@ -92,11 +95,13 @@ def new_node(
     seed: int | None = None,
     booted: bool = True,
     applied: int = 0,
+    snapshot: SnapshotMeta | None = None,
     **kw: Any,
 ) -> RawNode:
     st = storage if storage is not None else MemoryStorage()
     rng = random.Random(nid * 7919 if seed is None else seed)
-    node = RawNode(raft_config(nid, voters, learners, **kw), st, st, rng, applied=applied)
+    cfg = raft_config(nid, voters, learners, **kw)
+    node = RawNode(cfg, st, st, rng, applied=applied, snapshot=snapshot)
     if booted:
         skip_boot_stickiness(node)
     return node
@@ -109,14 +114,37 @@ def storage_of(node: RawNode) -> MemoryStorage:
 
 
 def persist(node: RawNode, rd: Ready) -> None:
-    """Step 1 of the Ready contract: write entries + hard state, then sync."""
+    """Step 1 of the Ready contract: install a received snapshot, write
+    entries + hard state, then sync."""
     st = storage_of(node)
+    if rd.snapshot is not None:
+        st.apply_snapshot(rd.snapshot)
     if rd.entries:
         st.append(rd.entries)
     if rd.hard_state is not None:
         st.save_hard_state(rd.hard_state)
-    if rd.entries or rd.hard_state is not None:
+    if rd.entries or rd.hard_state is not None or rd.snapshot is not None:
         st.sync()
+
+
+def take_snapshot(node: RawNode, data: bytes = b"") -> None:
+    """What an application does after applying: save a snapshot at the
+    applied index (durably), tell the core, compact as far as it allows."""
+    st = storage_of(node)
+    meta = node.snapshot_meta()
+    st.save_snapshot(Snapshot(meta, data or f"state@{meta.index}".encode()))
+    st.sync()
+    comp = node.snapshot_taken(meta)
+    if comp is not None:
+        st.compact(comp.upto, comp.term, comp.pos)
+        st.sync()
+
+
+def with_snapshot_data(node: RawNode, m: Message) -> Message:
+    """Step 2 for ``Ready.snapshots_to_send``: attach the stored payload."""
+    snap = storage_of(node).snapshot()
+    assert snap is not None and snap.meta == m.snapshot, (snap, m.snapshot)
+    return dataclasses.replace(m, snapshot_data=snap.data)
 
 
 def step_ready(node: RawNode) -> Ready:
@@ -226,6 +254,7 @@ class Network:
             rd = node.ready()
             persist(node, rd)
             self.send(*rd.messages)
+            self.send(*(with_snapshot_data(node, m) for m in rd.snapshots_to_send))
             self.applied.setdefault(nid, []).extend(rd.committed_entries)
             self.read_states.setdefault(nid, []).extend(rd.read_states)
             self.read_failures.setdefault(nid, []).extend(rd.read_failures)
@@ -300,6 +329,10 @@ class Network:
             "transfer_max_lag": old.cfg.transfer_max_lag,
         }
         params.update(kw)
+        snap = st.snapshot()
+        if snap is not None:
+            params.setdefault("snapshot", snap.meta)
+            params.setdefault("applied", snap.meta.index)
         node = new_node(nid, voters, learners, storage=st, booted=booted, **params)
         self.nodes[nid] = node
         self.queue = deque(m for m in self.queue if m.to != nid)

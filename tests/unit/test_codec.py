@@ -341,10 +341,10 @@ def test_codec_conf_change_corruption_is_rejected() -> None:
             decode_conf_change(bad)
 
 
-@pytest.mark.parametrize("flags", [0x04, 0x80, 0xFC])
+@pytest.mark.parametrize("flags", [0x08, 0x80, 0xF8])
 def test_codec_unknown_flag_bits_are_rejected(flags: int) -> None:
-    """One encoding per value: flag bits other than reject (1) and force (2)
-    are refused even behind a valid CRC. (Regression: 29faa4f ignored them, so
+    """One encoding per value: flag bits other than reject (1), force (2) and
+    snapshot (4) are refused even behind a valid CRC. (Regression: 29faa4f ignored them, so
     two byte strings decoded to the same message.)"""
     body = bytearray(encode_message(Message(MsgType.VOTE, 2, 1, 3))[:-4])
     body[MSG_HDR.size - 5] = flags  # the u8 before n_entries (u32)

@@ -22,7 +22,13 @@ from dledger.core.types import (
     ReadState,
     Role,
 )
-from dledger.errors import DLedgerError, NotLeader, ProposalDropped, TransferInProgress
+from dledger.errors import (
+    DLedgerError,
+    InvariantViolation,
+    NotLeader,
+    ProposalDropped,
+    TransferInProgress,
+)
 from tests.unit.raft_harness import (
     E,
     Network,
@@ -34,6 +40,7 @@ from tests.unit.raft_harness import (
     read_messages,
     storage_of,
     stored_log,
+    take_snapshot,
 )
 
 LEASE = E - 2  # election_ticks - lease_drift_ticks (the default drift is 2)
@@ -872,18 +879,12 @@ def test_invalid_membership_changes_are_refused() -> None:
         net3.nodes[2].propose_conf_change(ConfChange(ConfChangeType.ADD_LEARNER, 4))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG (latent): RawNode.__init__ rebuilds membership with "
-        "_config_at(applied) = cfg.peers + the CONF_CHANGE entries still in the "
-        "log (raft.py _config_at), so a restart after LogStorage.compact() past a "
-        "membership change silently forgets it (nothing persists the config at "
-        "the compaction point)"
-    ),
-)
 def test_membership_survives_log_compaction_and_restart() -> None:
-    net = elected()
+    """Compaction goes through a snapshot whose meta records the membership,
+    so a restart past a compacted membership change keeps it. (Regression:
+    the config was rebuilt from cfg.peers + the CONF_CHANGE entries still in
+    the log, so compacting one away silently forgot it.)"""
+    net = elected(snapshot_trailing_entries=1)
     leader = net.nodes[1]
     leader.propose_conf_change(ConfChange(ConfChangeType.ADD_LEARNER, 4))
     net.deliver_all()
@@ -892,10 +893,24 @@ def test_membership_survives_log_compaction_and_restart() -> None:
     assert leader.config.learners == (4,)
     st = storage_of(leader)
     last = st.last_index()
-    applied = leader.log.applied
-    tail = st.entries(last, last + 1)[0]
-    st.compact(last, st.term(last - 1), st.entries(last - 1, last)[0].end_pos)
-    st.sync()
-    assert st.first_index() == last and tail.index == last
-    restarted = new_node(1, storage=st, booted=False, applied=applied)
+    take_snapshot(leader)
+    snap = st.snapshot()
+    assert snap is not None and snap.meta.index == last
+    assert snap.meta.config.learners == (4,)
+    assert st.first_index() == last  # the conf change entry is gone
+    restarted = new_node(1, storage=st, booted=False, applied=last, snapshot=snap.meta)
     assert restarted.config.learners == (4,)
+    assert restarted.log.applied == last and not restarted.has_ready()
+
+
+def test_restart_over_a_compacted_log_without_its_snapshot_is_refused() -> None:
+    """Without the snapshot the membership before the stored log is unknown:
+    refuse loudly rather than fall back to the bootstrap peers."""
+    net = elected(snapshot_trailing_entries=0)
+    net.nodes[1].propose(b"x")
+    net.deliver_all()
+    take_snapshot(net.nodes[1])
+    st = storage_of(net.nodes[1])
+    assert st.first_index() > 1
+    with pytest.raises(InvariantViolation):
+        new_node(1, storage=st, booted=False)

@@ -164,8 +164,9 @@ def test_leader_sigkill_under_load_keeps_every_acknowledged_entry(
     _assert_acked_present(w.acked, recs)
 
 
-def test_killed_follower_catches_up_after_restart(make_cluster: MakeCluster) -> None:
-    c = make_cluster(voters=3)
+@pytest.mark.parametrize("voters", [3, 5])
+def test_killed_follower_catches_up_after_restart(make_cluster: MakeCluster, voters: int) -> None:
+    c = make_cluster(voters=voters)
     lead = c.wait_leader()
     follower = next(n for n in c.ids() if n != lead)
     c.propose_ok(_payload("before"))
@@ -183,10 +184,11 @@ def test_killed_follower_catches_up_after_restart(make_cluster: MakeCluster) -> 
     _assert_acked_present(acked, recs)
 
 
+@pytest.mark.parametrize("voters", [3, 5])
 def test_full_cluster_sigkill_and_restart_keeps_every_acknowledged_entry(
-    make_cluster: MakeCluster,
+    make_cluster: MakeCluster, voters: int
 ) -> None:
-    c = make_cluster(voters=3)
+    c = make_cluster(voters=voters)
     with Writers(c, threads=3) as w:
         c.wait_for(lambda: w.acks() >= 60, 60, "60 acknowledged proposals")
         # Kill everything at once, mid-stream: no node gets a clean stop.
@@ -205,25 +207,30 @@ def test_full_cluster_sigkill_and_restart_keeps_every_acknowledged_entry(
     c.propose_ok(_payload("after-restart"))
 
 
-def test_learner_gets_every_entry_and_is_never_counted(make_cluster: MakeCluster) -> None:
-    c = make_cluster(voters=3, learners=1)
-    learner = 4
+@pytest.mark.parametrize("voters", [3, 5])
+def test_learner_gets_every_entry_and_is_never_counted(
+    make_cluster: MakeCluster, voters: int
+) -> None:
+    c = make_cluster(voters=voters, learners=1)
+    learner = voters + 1
+    voter_ids = list(range(1, voters + 1))
     lead = c.wait_leader()
     st = c.status(learner)
     assert st is not None and st["role"] == "learner"
-    assert (c.status(lead) or {})["config"] == {"voters": [1, 2, 3], "learners": [4]}
+    assert (c.status(lead) or {})["config"] == {"voters": voter_ids, "learners": [learner]}
 
     acked: dict[int, tuple[int, int]] = {}
     for k in range(20):
         data = _payload(f"l{k}")
         out = c.propose_ok(data)
         acked[crc(data)] = (out.index, out.term)
-    recs = c.wait_converged([1, 2, 3, learner], max(i for i, _ in acked.values()))
+    recs = c.wait_converged([*voter_ids, learner], max(i for i, _ in acked.values()))
     _assert_acked_present(acked, recs)
 
-    # Two of three voters down: the leader and the learner are a "majority"
-    # of processes, but not of voters. Nothing may commit.
-    others = [n for n in (1, 2, 3) if n != lead]
+    # A majority of voters down (all but the leader and, with 5, one more):
+    # with the learner, live processes are a majority, live voters are not.
+    # Nothing may commit.
+    others = [n for n in voter_ids if n != lead][: voters - voters // 2]
     for n in others:
         c.kill(n, signal.SIGKILL)
     learner_applied = (c.status(learner) or {})["applied"]
@@ -249,7 +256,7 @@ def test_learner_gets_every_entry_and_is_never_counted(make_cluster: MakeCluster
     data = _payload("after")
     out = c.propose_ok(data)
     acked[crc(data)] = (out.index, out.term)
-    recs = c.wait_converged([1, 2, 3, learner], out.index)
+    recs = c.wait_converged([*voter_ids, learner], out.index)
     _assert_acked_present(acked, recs)
 
 
@@ -300,8 +307,9 @@ def _try_members(c: TestCluster, lead: int, op: str, nid: int) -> bool:
     return False
 
 
-def test_leadership_transfer_moves_the_leader(make_cluster: MakeCluster) -> None:
-    c = make_cluster(voters=3)
+@pytest.mark.parametrize("voters", [3, 5])
+def test_leadership_transfer_moves_the_leader(make_cluster: MakeCluster, voters: int) -> None:
+    c = make_cluster(voters=voters)
     lead = c.wait_leader()
     c.propose_ok(_payload("before-transfer"))
     target = next(n for n in c.ids() if n != lead)

@@ -88,13 +88,20 @@ def test_every_node_snapshots_and_a_restart_starts_from_it(make_cluster: MakeClu
     _assert_acked_present(acked, recs2)
 
 
-def test_far_behind_follower_catches_up_by_install_snapshot(make_cluster: MakeCluster) -> None:
+@pytest.mark.parametrize("role", ["voter", "learner"])
+def test_far_behind_follower_catches_up_by_install_snapshot(
+    make_cluster: MakeCluster, role: str
+) -> None:
     # With few messages in flight per follower, the leader's transport queue
     # cannot hold the whole gap for the dead follower: after it returns, the
     # leader needs entries it compacted and must send its snapshot.
-    c = make_cluster(voters=3, settings={**SETTINGS, "max_inflight_msgs": 2})
+    c = make_cluster(
+        voters=3,
+        learners=1 if role == "learner" else 0,
+        settings={**SETTINGS, "max_inflight_msgs": 2},
+    )
     lead = c.wait_leader()
-    follower = next(n for n in c.ids() if n != lead)
+    follower = next(m.id for m in c.spec.members if m.id != lead and m.role == role)
     acked = _write(c, 5, "before")
     c.kill(follower, signal.SIGKILL)
     acked.update(_write(c, 130, "while-down"))

@@ -315,8 +315,10 @@ def _check_data_file_size(data_path: str) -> None:
 
 
 class LmdbStorage:
-    """Implements both :class:`~dledger.storage.base.LogStorage` and
-    :class:`~dledger.storage.base.StableStore` on one LMDB environment."""
+    """Implements :class:`~dledger.storage.base.LogStorage`,
+    :class:`~dledger.storage.base.StableStore` and
+    :class:`~dledger.storage.base.SnapshotStore` on one LMDB environment (plus
+    one snapshot file, see the module docstring)."""
 
     def __init__(
         self,

@@ -7,16 +7,23 @@ Entries that are broker commands go to :class:`BrokerState` and its result
 ``/raft/propose`` payloads) keeps its old answer, the CRC. Listeners are
 called after each applied entry (the HTTP layer wakes long-polls with one);
 they run on the node's loop and must only schedule work, never block.
+
+A snapshot is the replica records' snapshot (length-prefixed) followed by
+the broker state's own deterministic snapshot; restoring replaces both.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 
 from broker_adapter.codec import is_command
+from broker_adapter.errors import MalformedCommand
 from broker_adapter.state import BrokerState
 from dledger.core.types import Entry
-from dledger.statemachine import LogStateMachine
+from dledger.statemachine import LogStateMachine, SnapshotError
+
+_LEN = struct.Struct(">Q")
 
 
 class BrokerStateMachine(LogStateMachine):
@@ -43,3 +50,23 @@ class BrokerStateMachine(LogStateMachine):
         for fn in tuple(self._listeners):
             fn()
         return result if is_command(entry.data) else crc
+
+    def snapshot(self) -> bytes:
+        records = super().snapshot()
+        return _LEN.pack(len(records)) + records + self.broker.snapshot()
+
+    def restore(self, data: bytes) -> None:
+        data = bytes(data)
+        if len(data) < _LEN.size:
+            raise SnapshotError("broker state machine snapshot is truncated")
+        (n,) = _LEN.unpack_from(data, 0)
+        if _LEN.size + n > len(data):
+            raise SnapshotError("broker state machine snapshot is truncated")
+        try:
+            broker = BrokerState.restore(data[_LEN.size + n :])
+        except MalformedCommand as exc:
+            raise SnapshotError(f"broker snapshot: {exc}") from None
+        super().restore(data[_LEN.size : _LEN.size + n])
+        self.broker = broker
+        for fn in tuple(self._listeners):
+            fn()

@@ -106,6 +106,11 @@ class NodeConfig:
     max_apply_bytes: int = 8 << 20
     max_inbox_msgs: int = 100_000
     transfer_max_lag: int = 1024
+    # Snapshots: snapshot the state machine every this many applied entries
+    # (0: never) and compact the log behind it, keeping
+    # snapshot_trailing_entries so slightly-behind followers still get entries.
+    snapshot_every_entries: int = 50_000
+    snapshot_trailing_entries: int = 1024
     # Storage.
     map_size_bytes: int = 256 << 20
     verify: VerifyMode = "tail"
@@ -153,6 +158,7 @@ class NodeConfig:
             max_msg_bytes=self.max_msg_bytes,
             max_apply_bytes=self.max_apply_bytes,
             transfer_max_lag=self.transfer_max_lag,
+            snapshot_trailing_entries=self.snapshot_trailing_entries,
         )
 
     def validate(self) -> None:
@@ -189,6 +195,14 @@ class NodeConfig:
             raise ConfigError(
                 "max_msg_bytes + max_entry_bytes must stay 1 MiB under the transport's "
                 f"{DEFAULT_MAX_FRAME_SIZE}-byte frame limit"
+            )
+        if self.snapshot_every_entries < 0:
+            raise ConfigError(
+                f"snapshot_every_entries must be >= 0 (0: never), got {self.snapshot_every_entries}"
+            )
+        if self.snapshot_trailing_entries < 0:
+            raise ConfigError(
+                f"snapshot_trailing_entries must be >= 0, got {self.snapshot_trailing_entries}"
             )
         if self.map_size_bytes < 1 << 16:
             raise ConfigError(f"map_size_bytes must be >= 65536, got {self.map_size_bytes}")

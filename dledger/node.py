@@ -29,6 +29,20 @@ c. **Ready**: while ``has_ready()``: take ``ready()``; append its entries and
    futures resolved; then read states are answered; then ``advance()``.
    Nothing calls a RawNode input between ``ready()`` and ``advance()``.
 
+Snapshots
+---------
+At start, a snapshot held by storage restores the state machine and the core
+starts at its index (``applied = snapshot index``): nothing at or below it is
+applied again. Every ``snapshot_every_entries`` applied entries, between
+``advance()`` and the next ``ready()``, the loop snapshots the state machine,
+saves and syncs it, and compacts the log as far as ``snapshot_taken`` allows
+(keeping ``snapshot_trailing_entries``). A Ready carrying a snapshot from the
+leader restores the state machine from it and resets the log
+(``apply_snapshot``) in the same sync, before any message of that Ready
+leaves. SNAPSHOT messages for far-behind followers get the stored snapshot's
+payload attached; one that does not fit in a transport frame (or queue) is
+reported as failed to the core and logged (no chunking yet).
+
 Proposal outcomes
 -----------------
 A proposal's future is keyed by its log index and remembers the term it was
@@ -51,6 +65,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
 import heapq
 import logging
@@ -76,6 +91,7 @@ from dledger.core.types import (
     ReadMode,
     Ready,
     Role,
+    Snapshot,
     SoftState,
 )
 from dledger.errors import (
@@ -89,6 +105,7 @@ from dledger.errors import (
 )
 from dledger.statemachine import LogStateMachine, StateMachine
 from dledger.storage.lmdb_store import LmdbStorage
+from dledger.transport.frames import DEFAULT_MAX_FRAME_SIZE
 from dledger.transport.tcp import TcpTransport
 
 logger = logging.getLogger(__name__)
@@ -237,7 +254,16 @@ class Node:
             "proposals_unknown": 0,
             "proposals_dropped": 0,
             "leader_changes": 0,
+            "snapshots_taken": 0,
+            "snapshots_installed": 0,
+            "snapshots_sent": 0,
+            "snapshots_send_failed": 0,
         }
+        # The latest durable snapshot (payload included, for sending), its
+        # index at start, and snapshot sends to report as failed after advance().
+        self._snap: Snapshot | None = None
+        self.restored_from_snapshot = 0
+        self._snap_failed: list[int] = []
         self._sync_s_total = 0.0
         self._sync_s_max = 0.0
         self._loop_lag_s_max = 0.0
@@ -266,8 +292,21 @@ class Node:
             raise
         started = False
         try:
-            # Replaying from index 1 at every start: there are no snapshots yet.
-            raft = RawNode(cfg.raft_config(), storage, storage, random.Random(), applied=0)
+            snap = storage.snapshot()
+            if snap is not None:
+                # The state machine comes back from the snapshot; the core
+                # replays only what follows it.
+                self.state_machine.restore(snap.data)
+                self.applied = self.restored_from_snapshot = snap.meta.index
+                self._snap = snap
+            raft = RawNode(
+                cfg.raft_config(),
+                storage,
+                storage,
+                random.Random(),
+                applied=snap.meta.index if snap is not None else 0,
+                snapshot=snap.meta if snap is not None else None,
+            )
             transport = TcpTransport(
                 cfg.node_id,
                 cfg.cluster_id,
@@ -287,7 +326,8 @@ class Node:
         self._peer_ids = tuple(sorted(set(raft.config.members()) - {cfg.node_id}))
         hs = storage.hard_state()
         logger.info(
-            "node %d: opened %s (entries %d..%d, term %d, vote %d, commit %d, flush=%s)",
+            "node %d: opened %s (entries %d..%d, term %d, vote %d, commit %d, flush=%s, "
+            "restored from snapshot at index %d)",
             cfg.node_id,
             cfg.data_dir,
             storage.first_index(),
@@ -296,6 +336,7 @@ class Node:
             hs.vote,
             hs.commit,
             cfg.flush,
+            self.restored_from_snapshot,
         )
         self._t0 = self._started_at = self._last_flush_s = time.monotonic()
         self._running = True
@@ -571,6 +612,18 @@ class Node:
                 "flushes": storage.flushes if storage else 0,
                 "map_growths": storage.map_growths if storage else 0,
             },
+            snapshot={
+                "index": self._snap.meta.index if self._snap is not None else 0,
+                "term": self._snap.meta.term if self._snap is not None else 0,
+                "bytes": len(self._snap.data) if self._snap is not None else 0,
+                "restored_from": self.restored_from_snapshot,
+                "every_entries": cfg.snapshot_every_entries,
+                "trailing_entries": cfg.snapshot_trailing_entries,
+                "taken": self.counters["snapshots_taken"],
+                "installed": self.counters["snapshots_installed"],
+                "sent": self.counters["snapshots_sent"],
+                "send_failed": self.counters["snapshots_send_failed"],
+            },
             node={
                 **self.counters,
                 "ticks": self._ticks,
@@ -654,12 +707,23 @@ class Node:
                     rd = r.ready()
                     # Replication leaves while our own fsync runs (EARLY_SEND_TYPES):
                     # one fsync less on the commit path; votes and acks still wait.
-                    self._send(rd, early=True)
+                    # A Ready installing a snapshot sends nothing before its sync.
+                    if rd.snapshot is None:
+                        self._send(rd, early=True)
                     await self._persist(rd)
+                    if rd.snapshot is not None:
+                        self._send(rd, early=True)
                     self._send(rd, early=False)
+                    self._send_snapshots(rd)
                     conf_applied = self._apply(rd)
                     r.advance(rd)
                     self._after_advance(r, rd, conf_applied)
+                    if rd.snapshot is not None:
+                        self._update_peers(r)
+                    for to in self._snap_failed:
+                        r.report_snapshot(to, False)
+                    self._snap_failed.clear()
+                    await self._maybe_snapshot(r)
                     # Time passed during the fsync: tick, then take what
                     # queued meanwhile, so the next Ready batches it.
                     self._catch_up_ticks(r)
@@ -729,18 +793,7 @@ class Node:
         assert st is not None
         self.counters["readies"] += 1
         if rd.snapshot is not None:
-            # Unreachable today: this runtime never reports a snapshot to its
-            # core, so no leader has one to send. Installing one needs the
-            # state machine's restore and a log reset (a later step); going
-            # on without them would desynchronise the core from its storage.
-            raise DLedgerError(
-                f"received a snapshot at {rd.snapshot.meta.index}: not supported by the runtime yet"
-            )
-        if rd.snapshots_to_send:
-            logger.warning(
-                "snapshot transfer not supported by the runtime yet; not sending to %s",
-                [m.to for m in rd.snapshots_to_send],
-            )
+            self._install_snapshot(st, rd.snapshot)
         if rd.entries:
             st.append(rd.entries)
         if rd.hard_state is not None:
@@ -753,6 +806,115 @@ class Node:
             self._sync_s_max = max(self._sync_s_max, dt)
             self.counters["syncs"] += 1
             self.counters["synced_entries"] += len(rd.entries)
+
+    def _install_snapshot(self, st: LmdbStorage, snap: Snapshot) -> None:
+        """Restore the state machine from a leader's snapshot and reset the
+        log to it (durable with this Ready's sync, before anything is sent)."""
+        meta = snap.meta
+        # A refused payload raises: the loop stops rather than diverge.
+        self.state_machine.restore(snap.data)
+        st.apply_snapshot(snap)
+        self.applied = meta.index
+        self._snap = snap
+        self.counters["snapshots_installed"] += 1
+        for idx in [i for i in self._pending if i <= meta.index]:
+            _fail(
+                self._pending.pop(idx).future,
+                OutcomeUnknown(f"entry {idx} was replaced by a snapshot at {meta.index}"),
+            )
+        logger.info(
+            "node %d: installed snapshot at index %d (term %d, %d bytes) from the leader",
+            self.cfg.node_id,
+            meta.index,
+            meta.term,
+            len(snap.data),
+        )
+
+    def _send_snapshots(self, rd: Ready) -> None:
+        """Attach the stored snapshot's payload to each SNAPSHOT message; one
+        that cannot be sent is reported to the core after advance()."""
+        tr = self._transport
+        assert tr is not None
+        for m in rd.snapshots_to_send:
+            snap = self._snap
+            if snap is None or m.snapshot is None or snap.meta != m.snapshot:
+                logger.warning(
+                    "node %d: asked to send snapshot %s to %d but holds %s",
+                    self.cfg.node_id,
+                    m.snapshot,
+                    m.to,
+                    snap.meta if snap is not None else None,
+                )
+                self._snap_failed.append(m.to)
+                continue
+            payload = encode_message(dataclasses.replace(m, snapshot_data=snap.data))
+            if len(payload) > DEFAULT_MAX_FRAME_SIZE:
+                logger.error(
+                    "node %d: snapshot at %d is %d bytes encoded, above the transport's "
+                    "%d-byte frame limit: node %d cannot catch up by snapshot (chunked "
+                    "transfer is not implemented)",
+                    self.cfg.node_id,
+                    snap.meta.index,
+                    len(payload),
+                    DEFAULT_MAX_FRAME_SIZE,
+                    m.to,
+                )
+                self.counters["snapshots_send_failed"] += 1
+                self._snap_failed.append(m.to)
+                continue
+            if not tr.send(m.to, payload):
+                logger.warning(
+                    "node %d: transport refused snapshot at %d (%d bytes) for node %d",
+                    self.cfg.node_id,
+                    snap.meta.index,
+                    len(payload),
+                    m.to,
+                )
+                self.counters["snapshots_send_failed"] += 1
+                self._snap_failed.append(m.to)
+                continue
+            self.counters["snapshots_sent"] += 1
+            logger.info(
+                "node %d: sent snapshot at %d (%d bytes) to node %d",
+                self.cfg.node_id,
+                snap.meta.index,
+                len(payload),
+                m.to,
+            )
+
+    async def _maybe_snapshot(self, r: RawNode) -> None:
+        """Between advance() and the next ready(): snapshot the state machine
+        once ``snapshot_every_entries`` entries were applied since the last
+        snapshot, make it durable, then compact the log behind it."""
+        every = self.cfg.snapshot_every_entries
+        if every <= 0:
+            return
+        latest = r.latest_snapshot()
+        if r.log.applied - (latest.index if latest is not None else 0) < every:
+            return
+        st = self._storage
+        assert st is not None
+        meta = r.snapshot_meta()
+        if meta.index != self.applied:
+            raise DLedgerError(
+                f"core applied {meta.index} but the state machine applied {self.applied}"
+            )
+        snap = Snapshot(meta, self.state_machine.snapshot())
+        st.save_snapshot(snap)
+        await asyncio.to_thread(self._sync_blocking, st)
+        self._snap = snap
+        self.counters["snapshots_taken"] += 1
+        c = r.snapshot_taken(meta)
+        if c is not None:
+            st.compact(c.upto, c.term, c.pos)
+            await asyncio.to_thread(self._sync_blocking, st)
+        logger.info(
+            "node %d: snapshot at index %d (%d bytes); log now starts at %d",
+            self.cfg.node_id,
+            meta.index,
+            len(snap.data),
+            st.first_index(),
+        )
 
     @staticmethod
     def _sync_blocking(st: LmdbStorage) -> None:

@@ -88,12 +88,29 @@ going backwards, a ``pos`` that does not continue the previous entry -- and
 ``upto - 1``. Accepting them would only turn into a false corruption report
 at the next restart.
 
+Snapshots
+---------
+:class:`LmdbStorage` also implements
+:class:`~dledger.storage.base.SnapshotStore`. The payload lives in a file
+``snapshot-<index>-<term>.snap`` in the data directory: a header (magic,
+format version, index, term, end position, voters, learners, data length),
+the data, then a CRC32 over everything before it (never pickle). ``sync()``
+writes a buffered snapshot first (tmp file, fsync, rename, fsync of the
+directory), then records its header under ``snapshot`` in the meta db in the
+same LMDB transaction as the rest of the batch; the meta db is the authority,
+so a crash between the rename and the commit leaves the previous snapshot in
+force (the orphan file is removed at the next open). Older snapshot files are
+deleted only after the commit (in async mode that commit is fsynced first).
+``apply_snapshot`` drops every log entry and moves the compaction front to
+the snapshot (marker epoch = the snapshot's term at its end position).
+
 Not thread-safe: one owner (the node's storage loop) drives an instance.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 import struct
 import zlib
@@ -104,7 +121,7 @@ from typing import Literal, TypeAlias
 import lmdb
 
 from dledger.core.codec import decode_entry, encode_entry
-from dledger.core.types import Entry, HardState
+from dledger.core.types import ClusterConfig, Entry, HardState, Snapshot, SnapshotMeta
 from dledger.errors import (
     CodecError,
     Compacted,
@@ -132,6 +149,84 @@ _CRC = struct.Struct(">I")
 _META_FORMAT = b"format"
 _META_HARD_STATE = b"hard_state"
 _META_FRONT = b"front"
+_META_SNAPSHOT = b"snapshot"
+
+SNAPSHOT_MAGIC = b"DLSNAP\x00\x01"
+SNAPSHOT_VERSION = 1
+# magic, version, index, term, end_pos, number of voters, number of learners
+_SNAP_HEAD = struct.Struct(">8sHQQQII")
+_SNAP_LEN = struct.Struct(">Q")
+_SNAP_PREFIX = "snapshot-"
+_SNAP_SUFFIX = ".snap"
+
+
+def snapshot_header(meta: SnapshotMeta, data_len: int) -> bytes:
+    """The header of a snapshot file (everything before the data)."""
+    cfg = meta.config
+    return (
+        _SNAP_HEAD.pack(
+            SNAPSHOT_MAGIC,
+            SNAPSHOT_VERSION,
+            meta.index,
+            meta.term,
+            meta.end_pos,
+            len(cfg.voters),
+            len(cfg.learners),
+        )
+        + b"".join(_KEY.pack(v) for v in cfg.voters)
+        + b"".join(_KEY.pack(v) for v in cfg.learners)
+        + _SNAP_LEN.pack(data_len)
+    )
+
+
+def encode_snapshot_file(snap: Snapshot) -> bytes:
+    """Header + data + CRC32 of both: the bytes of a snapshot file."""
+    body = snapshot_header(snap.meta, len(snap.data)) + snap.data
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def decode_snapshot_file(raw: bytes) -> tuple[Snapshot, bytes]:
+    """(snapshot, header bytes) of a snapshot file; ValueError if damaged."""
+    if len(raw) < _SNAP_HEAD.size + _SNAP_LEN.size + _CRC.size:
+        raise ValueError(f"truncated to {len(raw)} bytes")
+    (crc,) = _CRC.unpack_from(raw, len(raw) - _CRC.size)
+    body = raw[: -_CRC.size]
+    if zlib.crc32(body) != crc:
+        raise ValueError("CRC mismatch")
+    magic, version, index, term, end_pos, nv, nl = _SNAP_HEAD.unpack_from(body, 0)
+    if magic != SNAPSHOT_MAGIC:
+        raise ValueError("bad magic")
+    if version != SNAPSHOT_VERSION:
+        raise ValueError(f"unsupported snapshot version {version}")
+    off = _SNAP_HEAD.size
+    ids_end = off + (nv + nl) * _KEY.size
+    if ids_end + _SNAP_LEN.size > len(body):
+        raise ValueError("header overruns the file")
+    ids = [int(_KEY.unpack_from(body, off + k * _KEY.size)[0]) for k in range(nv + nl)]
+    (data_len,) = _SNAP_LEN.unpack_from(body, ids_end)
+    data_off = ids_end + _SNAP_LEN.size
+    if data_off + data_len != len(body):
+        raise ValueError(f"data length {data_len} does not match the file size")
+    meta = SnapshotMeta(
+        index=index,
+        term=term,
+        end_pos=end_pos,
+        config=ClusterConfig(voters=tuple(ids[:nv]), learners=tuple(ids[nv:])),
+    )
+    return Snapshot(meta=meta, data=bytes(body[data_off:])), bytes(body[:data_off])
+
+
+def _snapshot_name(meta: SnapshotMeta) -> str:
+    return f"{_SNAP_PREFIX}{meta.index:020d}-{meta.term:020d}{_SNAP_SUFFIX}"
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
 
 # LMDB errors that mean "the file itself is damaged", as opposed to usage
 # errors or resource limits.
@@ -206,7 +301,9 @@ def _check_data_file_size(data_path: str) -> None:
     if len(second) == _META_TXNID_OFF + 8:
         metas.append(second)
     elif size < 2 * psize:
-        raise StorageCorrupted(f"{data_path} is truncated to {size} bytes (second meta page missing)")
+        raise StorageCorrupted(
+            f"{data_path} is truncated to {size} bytes (second meta page missing)"
+        )
     newest = max(metas, key=lambda m: struct.unpack_from("<Q", m, _META_TXNID_OFF)[0])
     (last_pg,) = struct.unpack_from("<Q", newest, _META_LAST_PG_OFF)
     need = (last_pg + 1) * psize
@@ -218,8 +315,10 @@ def _check_data_file_size(data_path: str) -> None:
 
 
 class LmdbStorage:
-    """Implements both :class:`~dledger.storage.base.LogStorage` and
-    :class:`~dledger.storage.base.StableStore` on one LMDB environment."""
+    """Implements :class:`~dledger.storage.base.LogStorage`,
+    :class:`~dledger.storage.base.StableStore` and
+    :class:`~dledger.storage.base.SnapshotStore` on one LMDB environment (plus
+    one snapshot file, see the module docstring)."""
 
     def __init__(
         self,
@@ -315,6 +414,7 @@ class LmdbStorage:
             hs = self._read_hard_state(txn)
             compacted, offset, offset_term, offset_pos = self._read_front(txn)
             terms, idxs, poss = self._read_epochs(txn)
+            snap_header = self._read_snapshot_header(txn)
             last, last_term, last_end = self._verify_log(
                 txn,
                 compacted=compacted,
@@ -347,6 +447,17 @@ class LmdbStorage:
         # Async flushing.
         self._unflushed = False
         self._last_flush_s: float | None = None
+
+        # Snapshots: the durable one (its header from the meta db and its
+        # file name) and a buffered one that the next sync() makes durable.
+        self._snap_header = snap_header
+        self._snap_file: str | None = None
+        self._snap_pending: Snapshot | None = None
+        self._batch_snap_header: bytes | None = None
+        if snap_header is not None:
+            meta = self._parse_header(snap_header)
+            self._snap_file = _snapshot_name(meta)
+        self._remove_stale_snapshot_files()
 
     def _check_format(self) -> None:
         with self._env.begin() as txn:
@@ -381,6 +492,45 @@ class LmdbStorage:
             raise self._corrupt(None, "the compaction marker failed its CRC check")
         offset, term, pos = _TRIPLE.unpack(body)
         return True, offset, term, pos
+
+    def _read_snapshot_header(self, txn: lmdb.Transaction[memoryview]) -> bytes | None:
+        value = txn.get(_META_SNAPSHOT, db=self._meta_db)
+        if value is None:
+            return None
+        raw = bytes(value)
+        body = _unseal(_META_SNAPSHOT, raw, len(raw) - _CRC.size) if len(raw) > _CRC.size else None
+        if body is None:
+            raise self._corrupt(None, "the snapshot record failed its CRC check")
+        self._parse_header(body)
+        return body
+
+    def _parse_header(self, header: bytes) -> SnapshotMeta:
+        if len(header) < _SNAP_HEAD.size + _SNAP_LEN.size:
+            raise self._corrupt(None, "the snapshot record is truncated")
+        magic, version, index, term, end_pos, nv, nl = _SNAP_HEAD.unpack_from(header, 0)
+        if magic != SNAPSHOT_MAGIC or version != SNAPSHOT_VERSION:
+            raise self._corrupt(None, "the snapshot record has a bad magic or version")
+        if len(header) != _SNAP_HEAD.size + (nv + nl) * _KEY.size + _SNAP_LEN.size:
+            raise self._corrupt(None, "the snapshot record has a bad length")
+        ids = [
+            int(_KEY.unpack_from(header, _SNAP_HEAD.size + k * _KEY.size)[0])
+            for k in range(nv + nl)
+        ]
+        return SnapshotMeta(
+            index=index,
+            term=term,
+            end_pos=end_pos,
+            config=ClusterConfig(voters=tuple(ids[:nv]), learners=tuple(ids[nv:])),
+        )
+
+    def _remove_stale_snapshot_files(self) -> None:
+        """Delete snapshot files (and temp files) other than the durable one."""
+        for name in os.listdir(self.path):
+            if not name.startswith(_SNAP_PREFIX) or name == self._snap_file:
+                continue
+            if name.endswith(_SNAP_SUFFIX) or name.endswith(".tmp"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.path, name))
 
     def _read_epochs(
         self, txn: lmdb.Transaction[memoryview]
@@ -700,6 +850,77 @@ class LmdbStorage:
             # differs from before when upto - 1 was beyond the last index).
             self._last_term, self._last_end = term, pos
 
+    # -- SnapshotStore -----------------------------------------------------
+    def snapshot(self) -> Snapshot | None:
+        """The latest saved snapshot (a buffered one included), read back
+        from its file and CRC-checked."""
+        if self._snap_pending is not None:
+            return self._snap_pending
+        if self._snap_header is None or self._snap_file is None:
+            return None
+        path = os.path.join(self.path, self._snap_file)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            raise StorageCorrupted(
+                f"snapshot file {path} is missing (the meta db records it); "
+                "rebuild this replica from a healthy peer"
+            ) from None
+        try:
+            snap, header = decode_snapshot_file(raw)
+        except ValueError as exc:
+            raise StorageCorrupted(
+                f"snapshot file {path} is damaged: {exc}; rebuild this replica from a healthy peer"
+            ) from None
+        if header != self._snap_header:
+            raise StorageCorrupted(
+                f"snapshot file {path} does not match the snapshot recorded in the meta db"
+            )
+        return snap
+
+    def snapshot_meta(self) -> SnapshotMeta | None:
+        """Meta of the latest saved snapshot without reading its payload."""
+        if self._snap_pending is not None:
+            return self._snap_pending.meta
+        if self._snap_header is None:
+            return None
+        return self._parse_header(self._snap_header)
+
+    def save_snapshot(self, snap: Snapshot) -> None:
+        """Buffer a snapshot taken locally; ``sync()`` makes it durable."""
+        self._snap_pending = snap
+
+    def apply_snapshot(self, snap: Snapshot) -> None:
+        """Buffer a snapshot from the leader and reset the log to it."""
+        meta = snap.meta
+        self._snap_pending = snap
+        for t in self._ep_terms:
+            self._dirty_terms.add(t)
+        self._ep_terms, self._ep_idx, self._ep_pos = [meta.term], [meta.index], [meta.end_pos]
+        self._dirty_terms.add(meta.term)
+        self._pending.clear()
+        self._compacted = True
+        self._offset, self._offset_term, self._offset_pos = meta.index, meta.term, meta.end_pos
+        self._front_dirty = True
+        # Every durable record goes: those <= index with the front, any
+        # above it as a truncated back (limit <= durable_last).
+        self._limit = meta.index + 1
+        self._last, self._last_term, self._last_end = meta.index, meta.term, meta.end_pos
+
+    def _write_snapshot_file(self, snap: Snapshot) -> str:
+        """Write ``snap`` to its file atomically; returns the file name."""
+        name = _snapshot_name(snap.meta)
+        final = os.path.join(self.path, name)
+        tmp = final + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(encode_snapshot_file(snap))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        _fsync_dir(self.path)
+        return name
+
     # -- StableStore -------------------------------------------------------
     def hard_state(self) -> HardState:
         return self._hs
@@ -717,6 +938,7 @@ class LmdbStorage:
             or self._front_dirty
             or self._hs_dirty
             or self._dirty_terms
+            or self._snap_pending is not None
         )
 
     def sync(self) -> None:
@@ -726,6 +948,15 @@ class LmdbStorage:
             raise ValueError(f"storage in {self.path} is closed")
         if not self._has_batch():
             return
+        snap = self._snap_pending
+        header: bytes | None = None
+        name: str | None = None
+        if snap is not None:
+            # The file first: the meta db must never name a file that is not
+            # durable. Until the commit below, the old snapshot stays in force.
+            name = self._write_snapshot_file(snap)
+            header = snapshot_header(snap.meta, len(snap.data))
+        self._batch_snap_header = header
         self._write(self._apply_batch)
         # Only now, after a successful commit, is the batch forgotten.
         self._pending.clear()
@@ -735,6 +966,15 @@ class LmdbStorage:
         self._dirty_terms.clear()
         self.write_txns += 1
         self._unflushed = self.flush_mode == "async"
+        if header is not None:
+            if self._unflushed:
+                # Old files go next: the record naming the new one must be
+                # on disk before that, even in async mode.
+                self.flush()
+            self._snap_header, self._snap_file = header, name
+            self._snap_pending = None
+            self._batch_snap_header = None
+            self._remove_stale_snapshot_files()
 
     def _write(self, apply: _TxnFn) -> None:
         """Run ``apply`` in one write transaction, growing the map and
@@ -782,7 +1022,13 @@ class LmdbStorage:
                     f"appended {added} of {len(self._pending)} entries from index "
                     f"{self._pending[0].index}: the durable log still holds keys above it"
                 )
-        # 4. Hard state and epochs.
+        # 4. Hard state, snapshot record and epochs.
+        if self._batch_snap_header is not None:
+            txn.put(
+                _META_SNAPSHOT,
+                _seal(_META_SNAPSHOT, self._batch_snap_header),
+                db=self._meta_db,
+            )
         if self._hs_dirty:
             hs = self._hs
             txn.put(

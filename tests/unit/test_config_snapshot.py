@@ -1,0 +1,43 @@
+"""NodeConfig's snapshot settings: validated, passed to the core, settable
+from a cluster file."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from dledger.config import TUNABLES, NodeConfig
+from dledger.errors import ConfigError
+
+
+def cfg() -> NodeConfig:
+    return NodeConfig(
+        node_id=1,
+        cluster_id="c",
+        raft_host="127.0.0.1",
+        raft_port=7001,
+        http_host="127.0.0.1",
+        http_port=8001,
+        data_dir="/tmp/unused",
+    )
+
+
+def test_defaults_and_raft_config() -> None:
+    c = cfg()
+    c.validate()
+    assert c.snapshot_every_entries == 50_000
+    assert replace(c, snapshot_trailing_entries=7).raft_config().snapshot_trailing_entries == 7
+    assert "snapshot_every_entries" in TUNABLES and "snapshot_trailing_entries" in TUNABLES
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("snapshot_every_entries", -1), ("snapshot_trailing_entries", -1)]
+)
+def test_negative_values_are_refused(field: str, value: int) -> None:
+    with pytest.raises(ConfigError, match=field):
+        replace(cfg(), **{field: value}).validate()
+
+
+def test_zero_disables_snapshots() -> None:
+    replace(cfg(), snapshot_every_entries=0, snapshot_trailing_entries=0).validate()

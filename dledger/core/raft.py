@@ -52,9 +52,9 @@ membership and nothing at or below its index is applied again.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dledger.core.codec import decode_conf_change, encode_conf_change
 from dledger.core.log import RaftLog
@@ -89,6 +89,9 @@ from dledger.errors import (
     TransferInProgress,
 )
 from dledger.storage.base import LogStorage, StableStore
+
+if TYPE_CHECKING:
+    from random import Random  # the injected generator's type only
 
 # Fault switches (for the simulator's "the checker can fail" tests). Each one
 # breaks exactly one protocol rule; production configs never set them.
@@ -145,7 +148,7 @@ class RawNode:
         cfg: RaftConfig,
         log_storage: LogStorage,
         stable: StableStore,
-        rng: random.Random,
+        rng: Random,
         applied: int = 0,
         snapshot: SnapshotMeta | None = None,
     ) -> None:

@@ -41,11 +41,23 @@ def _bench(lc: LocalCluster, leader: int, query: str, timeout_s: float) -> dict[
 
 
 def run_dledger(
-    voters: int, flush: str, size: int, ops: int, window: int, repeats: int
+    voters: int,
+    flush: str,
+    size: int,
+    ops: int,
+    window: int,
+    repeats: int,
+    snapshot_every: int = 50_000,
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="dledger-bench-") as tmp:
         lc = LocalCluster.create(
-            Path(tmp) / "c", voters=voters, settings={"flush": flush, "state_machine": "log"}
+            Path(tmp) / "c",
+            voters=voters,
+            settings={
+                "flush": flush,
+                "state_machine": "log",
+                "snapshot_every_entries": snapshot_every,
+            },
         )
         try:
             lc.start_all()
@@ -104,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ops", type=int, default=None)
     ap.add_argument("--window", type=int, default=5000)
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=50_000,
+        help="node snapshot interval in entries (0: off); snapshots are built on the "
+        "event loop, so they show in the latency tail",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write the JSON result here")
     a = ap.parse_args(argv)
     ops = a.ops or (5000 if a.quick else 20000)
@@ -114,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         peer = run_pysyncobj(v, a.payload, ops, a.window, repeats, progress=_log)
         results["pysyncobj"].append(peer)
         for fl in a.flush:
-            results["dledger"].append(run_dledger(v, fl, a.payload, ops, a.window, repeats))
+            results["dledger"].append(
+                run_dledger(v, fl, a.payload, ops, a.window, repeats, a.snapshot_every)
+            )
     rows = []
     for d in results["dledger"]:
         peer = next(p for p in results["pysyncobj"] if p["nodes"] == d["voters"])

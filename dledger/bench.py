@@ -13,6 +13,7 @@ import asyncio
 import functools
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from dledger.errors import DLedgerError
@@ -25,71 +26,88 @@ def _pct(sorted_ms: list[float], p: float) -> float:
     return sorted_ms[k]
 
 
+class _Run:
+    """What both load shapes share: payloads, submission with a completion
+    callback, per-proposal latency from a given start time, error counts."""
+
+    def __init__(self, node: Any, n: int, size: int) -> None:
+        self.node, self.n, self.size = node, n, size
+        self._payload = os.urandom(max(size, 8))
+        self.latencies: list[float] = []
+        self.errors: dict[str, int] = {}
+        self.next = 0  # proposals submitted (or refused)
+        self.finished = 0
+        self.in_flight = 0
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.on_finish: Callable[[], None] = lambda: None
+
+    def submit_next(self, since: float) -> None:
+        """Submit proposal ``self.next``; its latency counts from ``since``."""
+        i = self.next
+        self.next += 1
+        data = (
+            i.to_bytes(8, "big") + self._payload[8 : self.size]
+            if self.size >= 8
+            else (self._payload[: self.size])
+        )
+        try:
+            fut = self.node.submit(data)
+        except DLedgerError as exc:
+            self._finish(exc)
+            return
+        self.in_flight += 1
+        fut.add_done_callback(functools.partial(self._completed, since))
+
+    def _completed(self, since: float, fut: asyncio.Future[Any]) -> None:
+        self.in_flight -= 1
+        exc = fut.exception()
+        if exc is None:
+            self.latencies.append((time.perf_counter() - since) * 1000.0)
+        self._finish(exc)
+
+    def _finish(self, exc: BaseException | None) -> None:
+        if exc is not None:
+            name = type(exc).__name__
+            self.errors[name] = self.errors.get(name, 0) + 1
+        self.finished += 1
+        if self.finished >= self.n and not self.done.done():
+            self.done.set_result(None)
+        self.on_finish()
+
+    def summary(self, elapsed: float) -> dict[str, Any]:
+        lat = sorted(self.latencies)
+        return {
+            "ops": len(lat),
+            "errors": self.errors,
+            "elapsed_s": elapsed,
+            "ops_per_s": len(lat) / elapsed if elapsed > 0 else 0.0,
+            "latency_ms": {
+                "p50": _pct(lat, 50),
+                "p99": _pct(lat, 99),
+                "max": lat[-1] if lat else float("nan"),
+            },
+        }
+
+
 async def pipelined(node: Any, n: int, size: int, window: int) -> dict[str, Any]:
     """Propose ``n`` entries of ``size`` bytes with at most ``window`` in flight.
 
     Completion callbacks (no task per proposal), as the PySyncObj driver
     uses its commit callbacks, so the harness costs little next to the log."""
-    payload_base = os.urandom(max(size, 8))
-    latencies: list[float] = []
-    errors: dict[str, int] = {}
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
-    state = {"next": 0, "finished": 0, "in_flight": 0}
-
-    def data_for(i: int) -> bytes:
-        return i.to_bytes(8, "big") + payload_base[8:size] if size >= 8 else payload_base[:size]
-
-    def on_done(t0: float, fut: asyncio.Future[Any]) -> None:
-        state["in_flight"] -= 1
-        state["finished"] += 1
-        exc = fut.exception()
-        if exc is None:
-            latencies.append((time.perf_counter() - t0) * 1000.0)
-        else:
-            errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
-        fill()
+    run = _Run(node, n, size)
 
     def fill() -> None:
-        while state["in_flight"] < window and state["next"] < n:
-            i = state["next"]
-            state["next"] += 1
-            t0 = time.perf_counter()
-            try:
-                fut = node.submit(data_for(i))
-            except DLedgerError as exc:
-                errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
-                state["finished"] += 1
-                continue
-            state["in_flight"] += 1
-            fut.add_done_callback(functools.partial(on_done, t0))
-        if state["finished"] >= n and not done.done():
-            done.set_result(None)
+        while run.in_flight < window and run.next < n:
+            run.submit_next(time.perf_counter())
 
+    run.on_finish = fill
     cpu0 = time.process_time()
     start = time.perf_counter()
     fill()
-    await done
-    elapsed = time.perf_counter() - start
-    cpu = time.process_time() - cpu0
-    latencies.sort()
-    return {
-        "ops": len(latencies),
-        "errors": errors,
-        "elapsed_s": elapsed,
-        "ops_per_s": len(latencies) / elapsed if elapsed > 0 else 0.0,
-        "latency_ms": {
-            "p50": _pct(latencies, 50),
-            "p99": _pct(latencies, 99),
-            "max": latencies[-1] if latencies else float("nan"),
-        },
-        "leader_cpu_s": cpu,
-    }
-
-
-async def sequential(node: Any, n: int, size: int) -> dict[str, Any]:
-    """One proposal at a time (the synchronous mode)."""
-    return await pipelined(node, n, size, 1)
+    await run.done
+    out = run.summary(time.perf_counter() - start)
+    out["leader_cpu_s"] = time.process_time() - cpu0
+    return out
 
 
 async def paced(node: Any, n: int, size: int, rate: float) -> dict[str, Any]:
@@ -97,56 +115,19 @@ async def paced(node: Any, n: int, size: int, rate: float) -> dict[str, Any]:
     measured from that due time, so a stall is charged to every entry that
     should have been sent during it (no coordinated omission). Entries are
     released by a 1 ms timer, each with a completion callback."""
-    payload_base = os.urandom(max(size, 8))
-    latencies: list[float] = []
-    errors: dict[str, int] = {}
+    run = _Run(node, n, size)
     loop = asyncio.get_running_loop()
-    done = loop.create_future()
-    state = {"next": 0, "finished": 0}
-
-    def data_for(i: int) -> bytes:
-        return i.to_bytes(8, "big") + payload_base[8:size] if size >= 8 else payload_base[:size]
-
-    def finish_one() -> None:
-        state["finished"] += 1
-        if state["finished"] >= n and not done.done():
-            done.set_result(None)
-
-    def on_done(due: float, fut: asyncio.Future[Any]) -> None:
-        exc = fut.exception()
-        if exc is None:
-            latencies.append((time.perf_counter() - due) * 1000.0)
-        else:
-            errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
-        finish_one()
+    start = time.perf_counter()
 
     def release() -> None:
         now = time.perf_counter()
-        while state["next"] < n and start + state["next"] / rate <= now:
-            i = state["next"]
-            state["next"] += 1
-            due = start + i / rate
-            try:
-                node.submit(data_for(i)).add_done_callback(functools.partial(on_done, due))
-            except DLedgerError as exc:
-                errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
-                finish_one()
-        if state["next"] < n:
+        while run.next < n and start + run.next / rate <= now:
+            run.submit_next(start + run.next / rate)
+        if run.next < n:
             loop.call_later(0.001, release)
 
-    start = time.perf_counter()
     release()
-    await done
-    elapsed = time.perf_counter() - start
-    latencies.sort()
-    return {
-        "ops": len(latencies),
-        "errors": errors,
-        "offered_per_s": rate,
-        "ops_per_s": len(latencies) / elapsed if elapsed > 0 else 0.0,
-        "latency_ms": {
-            "p50": _pct(latencies, 50),
-            "p99": _pct(latencies, 99),
-            "max": latencies[-1] if latencies else float("nan"),
-        },
-    }
+    await run.done
+    out = run.summary(time.perf_counter() - start)
+    out["offered_per_s"] = rate
+    return out

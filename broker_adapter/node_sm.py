@@ -52,8 +52,17 @@ class BrokerStateMachine(LogStateMachine):
         return result if is_command(entry.data) else crc
 
     def snapshot(self) -> bytes:
-        records = super().snapshot()
-        return _LEN.pack(len(records)) + records + self.broker.snapshot()
+        return self.snapshot_builder()()
+
+    def snapshot_builder(self) -> Callable[[], bytes]:
+        records = super().snapshot_builder()
+        broker = self.broker.snapshot_builder()
+
+        def build() -> bytes:
+            r = records()
+            return _LEN.pack(len(r)) + r + broker()
+
+        return build
 
     def restore(self, data: bytes) -> None:
         data = bytes(data)

@@ -42,6 +42,7 @@ import struct
 import sys
 import zlib
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from broker_adapter import codec
@@ -705,23 +706,20 @@ class BrokerState:
     # ======================================================================
     # snapshot / restore
     # ======================================================================
-    def _to_value(self) -> dict[str, object]:
-        topics: dict[str, object] = {}
+    def _freeze(self) -> Callable[[], dict[str, object]]:
+        """Cheap copies of everything the snapshot holds (array slices are
+        memcpy, list slices copy pointers to immutable bytes); the returned
+        function converts them into the snapshot value, off the apply path."""
+        _Frozen = tuple[int, tuple["array[int]", ...], list[bytes]]
+        frozen_topics: list[tuple[str, int, list[_Frozen]]] = []
         for name, t in self._topics.items():
-            qs = []
+            qs: list[_Frozen] = []
             for q in t.queues:
                 s = q.start
                 qs.append(
-                    [
-                        q.min_offset,
-                        _u64_bytes(array("q", q.phys[s:])),
-                        _u64_bytes(array("q", q.sizes[s:])),
-                        _u64_bytes(array("q", q.tags[s:])),
-                        _u64_bytes(array("q", q.ts[s:])),
-                        q.recs[s:],
-                    ]
+                    (q.min_offset, (q.phys[s:], q.sizes[s:], q.tags[s:], q.ts[s:]), q.recs[s:])
                 )
-            topics[name] = [t.rr, qs]
+            frozen_topics.append((name, t.rr, qs))
         groups = {
             g: {f"{tp}\x00{q}": off for (tp, q), off in offs.items()}
             for g, offs in self._groups.items()
@@ -743,7 +741,7 @@ class BrokerState:
                     ],
                 ]
             producers[pid] = [p.epoch, p.last_ts, seqs]
-        return {
+        head: dict[str, object] = {
             "broker": self.broker_name,
             "applied": self.applied_index,
             "confirm": self.confirm_offset,
@@ -757,18 +755,43 @@ class BrokerState:
                 self.producer_idle_ms,
             ],
             "stored": [self.stored_bytes, self.stored_messages],
-            "topics": topics,
-            "groups": groups,
-            "producers": producers,
         }
+
+        def value() -> dict[str, object]:
+            topics: dict[str, object] = {}
+            for name, rr, qs in frozen_topics:
+                topics[name] = [
+                    rr,
+                    [
+                        [mn, *(_u64_bytes(array("q", a)) for a in arrays), recs]
+                        for mn, arrays, recs in qs
+                    ],
+                ]
+            return {**head, "topics": topics, "groups": groups, "producers": producers}
+
+        return value
+
+    def _to_value(self) -> dict[str, object]:
+        return self._freeze()()
 
     def snapshot(self) -> bytes:
         """The whole state at ``applied_index``: deterministic bytes (equal
         states give equal snapshots), versioned and CRC-checked."""
-        parts: list[bytes] = []
-        dump_value(self._to_value(), parts)
-        payload = b"".join(parts)
-        return _SNAP_HDR.pack(SNAPSHOT_MAGIC, SNAPSHOT_VERSION, zlib.crc32(payload)) + payload
+        return self.snapshot_builder()()
+
+    def snapshot_builder(self) -> Callable[[], bytes]:
+        """:meth:`snapshot` in two steps: freeze now (cheap), encode later
+        (possibly in another thread: the frozen copies share nothing mutable
+        with this state)."""
+        value = self._freeze()
+
+        def build() -> bytes:
+            parts: list[bytes] = []
+            dump_value(value(), parts)
+            payload = b"".join(parts)
+            return _SNAP_HDR.pack(SNAPSHOT_MAGIC, SNAPSHOT_VERSION, zlib.crc32(payload)) + payload
+
+        return build
 
     @classmethod
     def restore(cls, data: bytes) -> BrokerState:

@@ -84,6 +84,7 @@ from dledger.core.types import (
     EARLY_SEND_TYPES,
     NONE,
     ClusterConfig,
+    Compaction,
     ConfChange,
     ConfChangeType,
     EntryType,
@@ -116,6 +117,9 @@ Consistency = Literal["committed", "linearizable"]
 # the lease has expired and every timer has fired at least once.
 _MAX_CATCH_UP_ELECTIONS = 4
 _STOP_TIMEOUT_S = 10.0
+# Log entries deleted per compaction step (one small write transaction each,
+# between Readies), so compacting behind a snapshot never stalls the loop.
+_COMPACT_STEP = 4096
 
 
 class OutcomeUnknown(DLedgerError):
@@ -264,6 +268,11 @@ class Node:
         self._snap: Snapshot | None = None
         self.restored_from_snapshot = 0
         self._snap_failed: list[int] = []
+        # A local snapshot in the making: built and written by a background
+        # task (off the loop), recorded by the loop; then the log is compacted
+        # behind it a bounded step per loop pass.
+        self._snap_task: asyncio.Task[tuple[Snapshot, str]] | None = None
+        self._compact_to: Compaction | None = None
         self._sync_s_total = 0.0
         self._sync_s_max = 0.0
         self._loop_lag_s_max = 0.0
@@ -354,6 +363,10 @@ class Node:
         self._stopping = True
         self._wake.set()
         clean = True
+        if self._snap_task is not None:
+            # Its thread writes only its own file; let it finish so no file
+            # is written after the store closes.
+            await asyncio.wait({self._snap_task}, timeout=_STOP_TIMEOUT_S)
         if self._task is not None:
             done, _ = await asyncio.wait({self._task}, timeout=_STOP_TIMEOUT_S)
             if not done:
@@ -723,12 +736,13 @@ class Node:
                     for to in self._snap_failed:
                         r.report_snapshot(to, False)
                     self._snap_failed.clear()
-                    await self._maybe_snapshot(r)
+                    self._maybe_start_snapshot(r)
                     # Time passed during the fsync: tick, then take what
                     # queued meanwhile, so the next Ready batches it.
                     self._catch_up_ticks(r)
                     self._step_inputs(r)
                     await asyncio.sleep(0)
+                await self._snapshot_housekeeping(r)
                 await self._maybe_flush()
         except Exception as exc:
             self.fatal = exc
@@ -882,12 +896,14 @@ class Node:
                 m.to,
             )
 
-    async def _maybe_snapshot(self, r: RawNode) -> None:
-        """Between advance() and the next ready(): snapshot the state machine
-        once ``snapshot_every_entries`` entries were applied since the last
-        snapshot, make it durable, then compact the log behind it."""
+    def _maybe_start_snapshot(self, r: RawNode) -> None:
+        """Between advance() and the next ready(): once ``snapshot_every_entries``
+        entries were applied since the last snapshot, freeze the state machine
+        (cheap copies, on the loop, so it is exactly the state at the core's
+        applied index) and hand encoding and the file write to a background
+        task. Raft keeps running meanwhile; see ``_snapshot_housekeeping``."""
         every = self.cfg.snapshot_every_entries
-        if every <= 0:
+        if every <= 0 or self._snap_task is not None or self._compact_to is not None:
             return
         latest = r.latest_snapshot()
         if r.log.applied - (latest.index if latest is not None else 0) < every:
@@ -899,22 +915,58 @@ class Node:
             raise DLedgerError(
                 f"core applied {meta.index} but the state machine applied {self.applied}"
             )
-        snap = Snapshot(meta, self.state_machine.snapshot())
-        st.save_snapshot(snap)
+        build = self.state_machine.snapshot_builder()
+
+        async def make() -> tuple[Snapshot, str]:
+            snap = Snapshot(meta, await asyncio.to_thread(build))
+            name = await asyncio.to_thread(st.write_snapshot_file, snap)
+            self._wake.set()
+            return snap, name
+
+        self._snap_task = asyncio.create_task(make())
+
+    async def _snapshot_housekeeping(self, r: RawNode) -> None:
+        """Record a snapshot whose file is durable (one small sync), tell the
+        core, then compact the log behind it at most ``_COMPACT_STEP`` entries
+        per pass, each step riding on the next group commit."""
+        st = self._storage
+        assert st is not None
+        task = self._snap_task
+        if task is not None and task.done():
+            self._snap_task = None
+            snap, name = task.result()  # a failed write raises: the loop stops
+            if st.record_snapshot(snap, name):
+                await asyncio.to_thread(self._sync_blocking, st)
+                self._snap = snap
+                self.counters["snapshots_taken"] += 1
+                self._compact_to = r.snapshot_taken(snap.meta)
+                logger.info(
+                    "node %d: snapshot at index %d (%d bytes)",
+                    self.cfg.node_id,
+                    snap.meta.index,
+                    len(snap.data),
+                )
+        c = self._compact_to
+        if c is None:
+            return
+        first = st.first_index()
+        upto = min(c.upto, first + _COMPACT_STEP)
+        if upto <= first or c.upto - 1 > st.last_index():
+            self._compact_to = None  # reset meanwhile (a snapshot from the leader)
+            return
+        if upto == c.upto:
+            term, pos = c.term, c.pos
+            self._compact_to = None
+        else:
+            term, pos = st.term(upto - 1), st.entries(upto - 1, upto)[0].end_pos
+        st.compact(upto, term, pos)
         await asyncio.to_thread(self._sync_blocking, st)
-        self._snap = snap
-        self.counters["snapshots_taken"] += 1
-        c = r.snapshot_taken(meta)
-        if c is not None:
-            st.compact(c.upto, c.term, c.pos)
-            await asyncio.to_thread(self._sync_blocking, st)
-        logger.info(
-            "node %d: snapshot at index %d (%d bytes); log now starts at %d",
-            self.cfg.node_id,
-            meta.index,
-            len(snap.data),
-            st.first_index(),
-        )
+        if self._compact_to is None:
+            logger.info(
+                "node %d: log compacted; it now starts at %d", self.cfg.node_id, st.first_index()
+            )
+        else:
+            self._wake.set()  # the next step comes after whatever queued meanwhile
 
     @staticmethod
     def _sync_blocking(st: LmdbStorage) -> None:

@@ -18,6 +18,7 @@ import bisect
 import struct
 import zlib
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 from dledger.core.types import Entry, EntryType
@@ -27,6 +28,13 @@ class StateMachine(Protocol):
     def apply(self, entry: Entry) -> object: ...
 
     def snapshot(self) -> bytes: ...
+
+    def snapshot_builder(self) -> Callable[[], bytes]:
+        """Freeze the state as it is now, cheaply, and return a function that
+        encodes that frozen state to exactly what :meth:`snapshot` would have
+        returned now. The function touches nothing the next ``apply`` changes,
+        so the node runs it in a worker thread while applying goes on."""
+        ...
 
     def restore(self, data: bytes) -> None: ...
 
@@ -82,15 +90,25 @@ class LogStateMachine:
         return crc
 
     def snapshot(self) -> bytes:
-        parts = [
-            _LSM_HEAD.pack(_LSM_MAGIC, self.last_applied, len(self._records), len(self._recent))
-        ]
-        parts.extend(_LSM_RECORD.pack(*r) for r in self._records)
-        for index, term, data in self._recent:
-            parts.append(_LSM_RECENT.pack(index, term, len(data)))
-            parts.append(data)
-        body = b"".join(parts)
-        return body + _CRC.pack(zlib.crc32(body))
+        return self.snapshot_builder()()
+
+    def snapshot_builder(self) -> Callable[[], bytes]:
+        # Copies of the containers (pointer copies: records are tuples and
+        # payloads bytes, both immutable); the packing loop runs later.
+        last_applied = self.last_applied
+        records = list(self._records)
+        recent = list(self._recent)
+
+        def build() -> bytes:
+            parts = [_LSM_HEAD.pack(_LSM_MAGIC, last_applied, len(records), len(recent))]
+            parts.extend(_LSM_RECORD.pack(*r) for r in records)
+            for index, term, data in recent:
+                parts.append(_LSM_RECENT.pack(index, term, len(data)))
+                parts.append(data)
+            body = b"".join(parts)
+            return body + _CRC.pack(zlib.crc32(body))
+
+        return build
 
     def restore(self, data: bytes) -> None:
         """Replace the state with a snapshot's; raises SnapshotError."""

@@ -113,6 +113,7 @@ import bisect
 import contextlib
 import os
 import struct
+import threading
 import zlib
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -453,6 +454,12 @@ class LmdbStorage:
         self._snap_header = snap_header
         self._snap_file: str | None = None
         self._snap_pending: Snapshot | None = None
+        # The pending snapshot's file, when it was written ahead of the sync
+        # (``write_snapshot_file`` + ``record_snapshot``), and the files being
+        # written in worker threads right now (stale-file removal skips them).
+        self._snap_pending_file: str | None = None
+        self._snap_writing: set[str] = set()
+        self._snap_lock = threading.Lock()
         self._batch_snap_header: bytes | None = None
         if snap_header is not None:
             meta = self._parse_header(snap_header)
@@ -524,9 +531,14 @@ class LmdbStorage:
         )
 
     def _remove_stale_snapshot_files(self) -> None:
-        """Delete snapshot files (and temp files) other than the durable one."""
+        """Delete snapshot files (and temp files) other than the durable one
+        and those being written or waiting to be recorded."""
+        with self._snap_lock:
+            keep = {n for w in self._snap_writing for n in (w, w + ".tmp")}
+        keep.add(self._snap_file or "")
+        keep.add(self._snap_pending_file or "")
         for name in os.listdir(self.path):
-            if not name.startswith(_SNAP_PREFIX) or name == self._snap_file:
+            if not name.startswith(_SNAP_PREFIX) or name in keep:
                 continue
             if name.endswith(_SNAP_SUFFIX) or name.endswith(".tmp"):
                 with contextlib.suppress(FileNotFoundError):
@@ -890,11 +902,44 @@ class LmdbStorage:
     def save_snapshot(self, snap: Snapshot) -> None:
         """Buffer a snapshot taken locally; ``sync()`` makes it durable."""
         self._snap_pending = snap
+        self._snap_pending_file = None
+
+    def write_snapshot_file(self, snap: Snapshot) -> str:
+        """Write and fsync ``snap``'s file, and nothing else: no LMDB, so a
+        worker thread may run it while the loop appends and syncs. The
+        snapshot is not in force until :meth:`record_snapshot` and a sync."""
+        name = _snapshot_name(snap.meta)
+        with self._snap_lock:
+            self._snap_writing.add(name)
+        try:
+            return self._write_snapshot_file(snap)
+        except BaseException:
+            with self._snap_lock:
+                self._snap_writing.discard(name)
+            raise
+
+    def record_snapshot(self, snap: Snapshot, name: str) -> bool:
+        """Buffer the record of a snapshot whose file ``write_snapshot_file``
+        made durable; the next ``sync()`` puts it in force. Returns False (and
+        removes the file) when a snapshot at or beyond it is already held, for
+        example one installed from the leader meanwhile."""
+        with self._snap_lock:
+            self._snap_writing.discard(name)
+        held = self.snapshot_meta()
+        if held is not None and held.index >= snap.meta.index:
+            if name not in (self._snap_file, self._snap_pending_file):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.path, name))
+            return False
+        self._snap_pending = snap
+        self._snap_pending_file = name
+        return True
 
     def apply_snapshot(self, snap: Snapshot) -> None:
         """Buffer a snapshot from the leader and reset the log to it."""
         meta = snap.meta
         self._snap_pending = snap
+        self._snap_pending_file = None
         for t in self._ep_terms:
             self._dirty_terms.add(t)
         self._ep_terms, self._ep_idx, self._ep_pos = [meta.term], [meta.index], [meta.end_pos]
@@ -954,7 +999,7 @@ class LmdbStorage:
         if snap is not None:
             # The file first: the meta db must never name a file that is not
             # durable. Until the commit below, the old snapshot stays in force.
-            name = self._write_snapshot_file(snap)
+            name = self._snap_pending_file or self._write_snapshot_file(snap)
             header = snapshot_header(snap.meta, len(snap.data))
         self._batch_snap_header = header
         self._write(self._apply_batch)
@@ -973,6 +1018,7 @@ class LmdbStorage:
                 self.flush()
             self._snap_header, self._snap_file = header, name
             self._snap_pending = None
+            self._snap_pending_file = None
             self._batch_snap_header = None
             self._remove_stale_snapshot_files()
 

@@ -203,3 +203,49 @@ def test_async_flush_mode_snapshot(tmp_path: Path) -> None:
         assert s.flushes >= 1  # the record naming the file was fsynced
     with LmdbStorage(tmp_path) as s:
         assert s.snapshot() == snap_at(es, 2)
+
+
+def test_snapshot_written_ahead_then_recorded(tmp_path: Path) -> None:
+    """write_snapshot_file (a worker thread's job) makes only the file
+    durable; a sync meanwhile neither records nor deletes it; record_snapshot
+    plus a sync puts it in force; a crash before that keeps the old one."""
+    es = chain(1, [1, 1, 2, 2, 2])
+    with LmdbStorage(tmp_path) as s:
+        s.append(es)
+        old = snap_at(es, 2, b"old")
+        s.save_snapshot(old)
+        s.sync()
+        new = snap_at(es, 4, b"new")
+        name = s.write_snapshot_file(new)
+        s.append(chain(6, [2], es[-1].end_pos))
+        s.sync()  # an ordinary group commit while the file waits
+        assert name in snap_files(tmp_path)
+        assert s.snapshot() == old
+    with LmdbStorage(tmp_path) as s:  # crashed before recording: old in force
+        assert s.snapshot() == old
+        assert name not in snap_files(tmp_path)  # and the orphan file is gone
+        name = s.write_snapshot_file(new)
+        assert s.record_snapshot(new, name)
+        assert s.snapshot() == new  # read-your-writes before the sync
+        s.sync()
+    with LmdbStorage(tmp_path) as s:
+        assert s.snapshot() == new
+        assert snap_files(tmp_path) == [name]
+
+
+def test_record_refuses_a_snapshot_older_than_the_one_held(tmp_path: Path) -> None:
+    """A local snapshot finishing after the leader's newer one was installed
+    must not roll the store back; its file is removed."""
+    es = chain(1, [1, 1, 2, 2, 2])
+    with LmdbStorage(tmp_path) as s:
+        s.append(es)
+        local = snap_at(es, 3, b"local")
+        name = s.write_snapshot_file(local)
+        installed = snap_at(es, 5, b"from the leader")
+        s.apply_snapshot(installed)
+        s.sync()
+        assert name in snap_files(tmp_path)  # still being "written": kept
+        assert not s.record_snapshot(local, name)
+        assert name not in snap_files(tmp_path)
+        s.sync()
+        assert s.snapshot() == installed

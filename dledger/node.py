@@ -103,6 +103,7 @@ from dledger.errors import (
     ProposalDropped,
     TransferInProgress,
 )
+from dledger.metrics import Histogram
 from dledger.statemachine import LogStateMachine, StateMachine
 from dledger.storage.lmdb_store import LmdbStorage
 from dledger.transport.frames import DEFAULT_MAX_FRAME_SIZE
@@ -230,6 +231,7 @@ class Node:
         self._read_ctx = 0
         self._role = Role.FOLLOWER
         self._leader = NONE
+        self._term = 0  # as of the last soft state (counts elections)
         self.applied = 0
         self._running = False
         self._stopping = False
@@ -254,6 +256,7 @@ class Node:
             "proposals_unknown": 0,
             "proposals_dropped": 0,
             "leader_changes": 0,
+            "elections": 0,  # campaigns started (candidate in a new term; pre-votes excluded)
             "snapshots_taken": 0,
             "snapshots_installed": 0,
             "snapshots_sent": 0,
@@ -540,6 +543,11 @@ class Node:
     @property
     def leader(self) -> int:
         return self._leader
+
+    @property
+    def fsync_seconds(self) -> Histogram | None:
+        """The storage's fsync-duration histogram (None before start)."""
+        return self._storage.fsync_seconds if self._storage is not None else None
 
     def http_address_of(self, node_id: int) -> str | None:
         m = self.cfg.member(node_id)
@@ -1000,7 +1008,9 @@ class Node:
             )
         if ss.leader != self._leader:
             self.counters["leader_changes"] += 1
-        self._role, self._leader = ss.role, ss.leader
+        if ss.role is Role.CANDIDATE and (self._role is not Role.CANDIDATE or ss.term != self._term):
+            self.counters["elections"] += 1
+        self._role, self._leader, self._term = ss.role, ss.leader, ss.term
         if was_leader and ss.role is not Role.LEADER and self._pending:
             n = len(self._pending)
             self.counters["proposals_unknown"] += n

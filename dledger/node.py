@@ -231,7 +231,7 @@ class Node:
         self._read_ctx = 0
         self._role = Role.FOLLOWER
         self._leader = NONE
-        self._term = 0  # as of the last soft state (counts elections)
+        self._campaign_term = 0  # last term this node campaigned in (counts elections)
         self.applied = 0
         self._running = False
         self._stopping = False
@@ -256,7 +256,7 @@ class Node:
             "proposals_unknown": 0,
             "proposals_dropped": 0,
             "leader_changes": 0,
-            "elections": 0,  # campaigns started (candidate in a new term; pre-votes excluded)
+            "elections": 0,  # terms this node campaigned in (pre-votes excluded)
             "snapshots_taken": 0,
             "snapshots_installed": 0,
             "snapshots_sent": 0,
@@ -1008,9 +1008,12 @@ class Node:
             )
         if ss.leader != self._leader:
             self.counters["leader_changes"] += 1
-        if ss.role is Role.CANDIDATE and (self._role is not Role.CANDIDATE or ss.term != self._term):
+        # One election per term this node stood in: a quick win may go from
+        # follower to leader within one Ready without showing the candidate.
+        if ss.role in (Role.CANDIDATE, Role.LEADER) and ss.term != self._campaign_term:
+            self._campaign_term = ss.term
             self.counters["elections"] += 1
-        self._role, self._leader, self._term = ss.role, ss.leader, ss.term
+        self._role, self._leader = ss.role, ss.leader
         if was_leader and ss.role is not Role.LEADER and self._pending:
             n = len(self._pending)
             self.counters["proposals_unknown"] += n

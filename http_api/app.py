@@ -59,8 +59,10 @@ from broker_adapter.state import (
     TopicInfo,
 )
 from dledger.admin_http import BadRequest, Unprocessable
+from dledger.config import DEFAULT_PUBLIC_PATHS
 from dledger.core.types import Role
 from dledger.errors import NotLeader
+from dledger.http_auth import ROUTE_ROLES as APP_ROUTE_ROLES
 from dledger.http_auth import RouteRole
 from dledger.metrics import Histogram, labels_text, render_histogram
 from dledger.node import Node, OutcomeUnknown
@@ -590,7 +592,14 @@ class BrokerApi:
         )
 
     async def openapi(self, request: web.Request) -> web.Response:
-        return json_response(openapi_document(request.app))
+        auth = self.node.cfg.auth
+        doc = openapi_document(
+            request.app,
+            {k: str(v) for k, v in request.app[APP_ROUTE_ROLES].items()},
+            auth_on=auth is not None,
+            public=auth.public if auth is not None else DEFAULT_PUBLIC_PATHS,
+        )
+        return json_response(doc)
 
 
 # ---------------------------------------------------------------------------

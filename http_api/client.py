@@ -227,6 +227,9 @@ class Client:
             raise ValueError("at least one node address is needed")
         self.addresses = list(addresses)
         self._auth = _auth_headers(token)
+        # Safe requests sent again after an unknown outcome (connection lost
+        # after sending, timeout, 504): what the idempotent producer is for.
+        self.resent_after_unknown = 0
         self.timeout_s = timeout_s
         self.retry_for_s = retry_for_s
         self._current = self.addresses[0]
@@ -245,6 +248,7 @@ class Client:
             except (OSError, http.client.HTTPException) as exc:
                 if not safe:
                     raise OutcomeUnknownError(0, "CONNECTION", repr(exc), {}) from None
+                self.resent_after_unknown += 1
                 status, headers, raw = 0, {}, b""
             if status == 307 and "location" in headers:
                 address = urllib.parse.urlsplit(headers["location"]).netloc
@@ -254,6 +258,7 @@ class Client:
                 self._current = address
                 return parsed
             if status == 504 and safe:
+                self.resent_after_unknown += 1
                 status = 503
             if status in (0, *RETRY_STATUSES):
                 if time.monotonic() > deadline:
@@ -420,6 +425,7 @@ class AsyncClient:
         self.addresses = list(addresses)
         self.retry_for_s = retry_for_s
         self._current = self.addresses[0]
+        self.resent_after_unknown = 0
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=timeout_s), headers=_auth_headers(token)
         )
@@ -453,6 +459,7 @@ class AsyncClient:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 if not safe:
                     raise OutcomeUnknownError(0, "CONNECTION", repr(exc), {}) from None
+                self.resent_after_unknown += 1
                 status = 0
             if status == 307 and location:
                 address = urllib.parse.urlsplit(location).netloc
@@ -461,6 +468,7 @@ class AsyncClient:
                 self._current = address
                 return parsed
             if status == 504 and safe:
+                self.resent_after_unknown += 1
                 status = 503
             if status in (0, *RETRY_STATUSES):
                 if time.monotonic() > deadline:

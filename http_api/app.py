@@ -177,6 +177,9 @@ class BrokerApi:
         except web.HTTPException as exc:  # redirects the inner layers let through
             status = exc.status
             raise
+        except asyncio.CancelledError:
+            status = 499  # the client went away first (nginx's code), not a server error
+            raise
         finally:
             resource = request.match_info.route.resource
             route = resource.canonical if resource is not None else UNMATCHED_ROUTE

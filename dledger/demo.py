@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from dledger import cli as dledger_cli
 from dledger.cluster import LocalCluster
 from http_api.client import Client, OutMessage
 
@@ -122,12 +123,21 @@ def main(argv: list[str] | None = None) -> int:
                 f"    node {i}: {st.get('role')}, term {st.get('term')}, "
                 f"commit {st.get('commit')}, applied {st.get('applied')}"
             )
+        endpoints = ",".join(lc.http(i) for i in lc.ids())
+        say(
+            f"==> the same from the command line: dledger consume orders --group cli --endpoints {endpoints}"
+        )
+        sys.stdout.flush()
+        if dledger_cli.main(["consume", "orders", "--group", "cli", "--endpoints", endpoints]):
+            return 1
         say("done. Every step above ran against real processes; see README.md for more.")
         return 0
     finally:
         if not a.keep:
             lc.down()
             say(f"==> stopped every node process (logs kept in {d})")
+        else:
+            say(f"==> left running; stop it with: .venv/bin/dledger cluster down --dir {d}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from dledger import cli as dledger_cli
 from dledger.cluster import LocalCluster
-from http_api.client import Client, OutMessage
+from http_api.client import ApiError, Client, OutMessage, Record
 
 
 def say(msg: str) -> None:
@@ -108,13 +108,19 @@ def main(argv: list[str] | None = None) -> int:
         lc.restart(leader)
         back = Client([lc.http(leader)])
         deadline = time.monotonic() + 30
-        batch = back.consume("orders", ack.queue, 0, max_messages=100)
-        while len(batch.records) <= ack.queue_offset and time.monotonic() < deadline:
-            time.sleep(0.2)
-            batch = back.consume("orders", ack.queue, 0, max_messages=100, wait_ms=500)
+        records: tuple[Record, ...] = ()
+        while len(records) <= ack.queue_offset and time.monotonic() < deadline:
+            try:
+                records = back.consume(
+                    "orders", ack.queue, 0, max_messages=100, wait_ms=500
+                ).records
+            except ApiError:
+                # Until it has replayed its log, the restarted node's committed
+                # view is older: the topic may not exist there yet (404).
+                time.sleep(0.2)
         say(
             f"    node {leader} serves queue {ack.queue}: "
-            + ", ".join(r.value.decode() for r in batch.records)
+            + ", ".join(r.value.decode() for r in records)
         )
         say("==> cluster status")
         for i in lc.ids():

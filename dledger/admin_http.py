@@ -147,7 +147,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except NotLeader as exc:
         return _not_leader(node, request, exc)
     except AuthError as exc:
-        resp = _envelope(error_status(exc), exc.code, str(exc))
+        extra = {"required_role": exc.needs} if isinstance(exc, Forbidden) else {}
+        resp = _envelope(error_status(exc), exc.code, str(exc), **extra)
         resp.headers["WWW-Authenticate"] = exc.challenge
         return resp
     except DLedgerError as exc:

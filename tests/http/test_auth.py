@@ -146,7 +146,7 @@ async def test_role_matrix_on_every_route(client: TestClient[Any, Any]) -> None:
             else:
                 assert r.status == 403, (method, path, role, r.status)
                 e = (await r.json())["error"]
-                assert e["code"] == "FORBIDDEN" and need in e["message"]
+                assert e["code"] == "FORBIDDEN" and e["required_role"] == need
     assert checked >= 20
 
 

@@ -32,6 +32,14 @@ from dledger.errors import (
     StorageCorrupted,
     TransferInProgress,
 )
+from dledger.http_auth import (
+    ROUTE_ROLES,
+    AuthError,
+    Forbidden,
+    RouteRole,
+    Unauthorized,
+    auth_middleware,
+)
 from dledger.node import (
     EntryTooLarge,
     Node,
@@ -72,6 +80,8 @@ class RequestTimeout(DLedgerError):
 
 # The one table: first match wins, so subclasses come before their bases.
 STATUS: tuple[tuple[type[BaseException], int], ...] = (
+    (Unauthorized, 401),
+    (Forbidden, 403),
     (BadRequest, 400),
     (UnknownMember, 422),
     (Unprocessable, 422),
@@ -136,6 +146,11 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await handler(request)
     except NotLeader as exc:
         return _not_leader(node, request, exc)
+    except AuthError as exc:
+        extra = {"required_role": exc.needs} if isinstance(exc, Forbidden) else {}
+        resp = _envelope(error_status(exc), exc.code, str(exc), **extra)
+        resp.headers["WWW-Authenticate"] = exc.challenge
+        return resp
     except DLedgerError as exc:
         return _envelope(error_status(exc), exc.code, str(exc))
     except web.HTTPException as exc:
@@ -309,11 +324,29 @@ async def _bench(request: web.Request) -> web.Response:
     return _json(await bench.pipelined(node, n, size, window))
 
 
+# Who may call the operator routes when auth is on (dledger.http_auth).
+ADMIN_ROUTE_ROLES: dict[tuple[str, str], RouteRole] = {
+    ("GET", "/raft/status"): "admin",
+    ("POST", "/raft/propose"): "admin",
+    ("GET", "/raft/read"): "admin",
+    ("GET", "/raft/applied"): "admin",
+    ("GET", "/raft/messages"): "admin",
+    ("POST", "/raft/transfer"): "admin",
+    ("POST", "/raft/members"): "admin",
+    ("POST", "/raft/bench"): "admin",
+    ("GET", "/healthz"): "any",  # public unless [auth].public leaves it out
+}
+
+
 def make_app(node: Node) -> web.Application:
+    middlewares: list[Any] = [_errors]
+    if node.cfg.auth is not None:
+        middlewares.append(auth_middleware(node.cfg.auth))  # inside _errors: errors enveloped
     app = web.Application(
-        middlewares=[_errors], client_max_size=node.cfg.max_entry_bytes + (64 << 10)
+        middlewares=middlewares, client_max_size=node.cfg.max_entry_bytes + (64 << 10)
     )
     app[NODE_KEY] = node
+    app[ROUTE_ROLES] = dict(ADMIN_ROUTE_ROLES)
     app.router.add_get("/raft/status", _status)
     app.router.add_post("/raft/propose", _propose)
     app.router.add_get("/raft/read", _read)

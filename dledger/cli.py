@@ -6,6 +6,13 @@
     dledger cluster down [--dir DIR]
     dledger cluster kill ID [--signal KILL|TERM|STOP|CONT] [--dir DIR]
     dledger cluster restart ID [--dir DIR]
+    dledger produce TOPIC [--file F | VALUE...] [--endpoints H:P,...] [--token T]
+    dledger consume TOPIC --group G [--from earliest|latest] [--max N] [--follow]
+    dledger topics list | create NAME [--queues N] | describe NAME | delete NAME
+
+The client commands (produce, consume, topics: :mod:`http_api.cli`) talk
+to ``--endpoints`` (default ``$DLEDGER_ENDPOINTS``, else the local cluster
+file) with ``--token`` (default ``$DLEDGER_TOKEN``).
 
 Exit codes: 0 ok; 1 failure (a port in use, no leader in time, ...);
 2 operator action needed: a bad cluster file or command line, or a damaged
@@ -33,6 +40,7 @@ from dledger.cluster import DEFAULT_DIR, LocalCluster
 from dledger.config import NodeConfig, load_cluster_file
 from dledger.errors import ConfigError, StorageCorrupted
 from dledger.node import Node
+from http_api import cli as client_cli
 from http_api.server import NodeServer, make_state_machine
 
 EXIT_OK = 0
@@ -286,11 +294,15 @@ def _parser() -> argparse.ArgumentParser:
     r = with_dir(csub.add_parser("restart", help="stop one node (if running) and start it"))
     r.add_argument("id", type=int)
     r.set_defaults(func=cmd_cluster_restart)
+
+    client_cli.add_commands(sub)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in ("produce", "consume", "topics"):
+        return client_cli.run(args)
     if args.command == "cluster":
         _setup_logging("warning", 0)
     try:

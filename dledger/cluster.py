@@ -32,7 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dledger.config import ClusterFile, MemberSpec, load_cluster_file, write_cluster_file
+from dledger.config import (
+    AuthSpec,
+    ClusterFile,
+    MemberSpec,
+    load_cluster_file,
+    write_cluster_file,
+)
 from dledger.errors import ConfigError
 
 DEFAULT_DIR = "run/cluster"
@@ -164,8 +170,10 @@ class LocalCluster:
         cluster_id: str = "local",
         host: str = "127.0.0.1",
         settings: dict[str, object] | None = None,
+        auth: AuthSpec | None = None,
     ) -> LocalCluster:
-        """Write a new cluster file with free ports; refuses to overwrite one."""
+        """Write a new cluster file with free ports; refuses to overwrite one.
+        ``auth``: bearer tokens for the HTTP API (None: open, the default)."""
         if voters < 1 or learners < 0:
             raise ConfigError(f"need >= 1 voter and >= 0 learners, got {voters} and {learners}")
         lc = cls(directory)
@@ -191,6 +199,7 @@ class LocalCluster:
             secret,
             tuple(sorted((settings or {}).items())),
             str(lc.dir),
+            auth,
         )
         write_cluster_file(cf, lc.cluster_path)
         lc._spec = load_cluster_file(lc.cluster_path)  # what the nodes will read
@@ -389,10 +398,23 @@ class LocalCluster:
                 child.wait(0.1)
 
     # -- HTTP -----------------------------------------------------------------
+    def admin_headers(self) -> dict[str, str]:
+        """An admin bearer token from the cluster file, when it has auth on:
+        this is the operator's tool and reads the same file as the nodes."""
+        auth = self.spec.auth
+        token = auth.token_with("admin") if auth is not None else None
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
     def status(self, node_id: int, timeout_s: float = 1.0) -> dict[str, Any] | None:
         """``/raft/status`` of ``node_id``, None if it does not answer."""
         try:
-            r = http_request(self.http(node_id), "GET", "/raft/status", timeout_s=timeout_s)
+            r = http_request(
+                self.http(node_id),
+                "GET",
+                "/raft/status",
+                timeout_s=timeout_s,
+                headers=self.admin_headers(),
+            )
         except HTTP_ERRORS:
             return None
         if r.status != 200:
@@ -430,7 +452,14 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         while True:
             with contextlib.suppress(*HTTP_ERRORS):
-                if http_request(self.http(node_id), "GET", "/healthz", timeout_s=0.5).status == 200:
+                r = http_request(
+                    self.http(node_id),
+                    "GET",
+                    "/healthz",
+                    timeout_s=0.5,
+                    headers=self.admin_headers(),
+                )
+                if r.status == 200:
                     return
             if not self.running(node_id):
                 raise RuntimeError(

@@ -27,6 +27,15 @@ cluster or deploys the nodes on different machines::
     role = "voter"                 # or "learner"
     data_dir = "node-1"            # relative to the cluster file's directory
 
+    [auth]                         # optional: bearer tokens on the HTTP API
+    public = ["/healthz", "/readyz", "/metrics", "/openapi.json"]   # the default
+
+    [[auth.tokens]]
+    name = "orders-service"        # shows in logs; unique
+    token = "..."                  # >= 16 printable ASCII characters, or:
+    # token_file = "tokens/orders" # relative to the cluster file; first line
+    roles = ["produce", "consume"] # of produce, consume, admin (admin: all)
+
 It is read with :mod:`tomllib` and written by the small emitter below (no
 extra dependency). Every problem is a :class:`ConfigError` that names the
 offending field (``members[2].raft: ...``), never a ``KeyError``.
@@ -47,6 +56,11 @@ from dledger.errors import ConfigError
 from dledger.transport.frames import DEFAULT_MAX_FRAME_SIZE
 
 Role = Literal["voter", "learner"]
+AuthRole = Literal["produce", "consume", "admin"]
+AUTH_ROLES: tuple[AuthRole, ...] = ("produce", "consume", "admin")
+# Routes served without a token while auth is on (unless [auth].public says otherwise).
+DEFAULT_PUBLIC_PATHS: tuple[str, ...] = ("/healthz", "/readyz", "/metrics", "/openapi.json")
+MIN_TOKEN_CHARS = 16
 FlushMode = Literal["sync", "async"]
 VerifyMode = Literal["tail", "full"]
 
@@ -76,6 +90,36 @@ class MemberSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenSpec:
+    """One bearer token of ``[[auth.tokens]]``. ``token`` is the secret
+    itself (read from ``token_file`` when the file names one)."""
+
+    name: str
+    token: str
+    roles: tuple[AuthRole, ...]
+    token_file: str = ""
+
+    def __repr__(self) -> str:  # never print the secret
+        return f"TokenSpec(name={self.name!r}, roles={self.roles!r})"
+
+
+@dataclass(frozen=True, slots=True)
+class AuthSpec:
+    """HTTP API authentication: every request but those to ``public`` paths
+    needs ``Authorization: Bearer <token>`` of a token with the route's role."""
+
+    tokens: tuple[TokenSpec, ...]
+    public: tuple[str, ...] = DEFAULT_PUBLIC_PATHS
+
+    def token_with(self, role: AuthRole) -> str | None:
+        """A token that holds ``role`` (operator tools use an admin one)."""
+        for t in self.tokens:
+            if role in t.roles or "admin" in t.roles:
+                return t.token
+        return None
+
+
+@dataclass(frozen=True, slots=True)
 class NodeConfig:
     """What one node process runs with. ``validate()`` raises ConfigError."""
 
@@ -87,6 +131,8 @@ class NodeConfig:
     http_port: int
     data_dir: str
     secret: str | None = None
+    # HTTP bearer tokens and roles; None: the HTTP API is open (the default).
+    auth: AuthSpec | None = None
     # Every known member (the address book); empty means a one-node cluster.
     members: tuple[MemberSpec, ...] = ()
     # Time: one tick of the Raft core, and Raft timeouts in ticks.
@@ -243,6 +289,7 @@ _IDENTITY = frozenset(
         "http_port",
         "data_dir",
         "secret",
+        "auth",
         "members",
     }
 )
@@ -260,6 +307,7 @@ class ClusterFile:
     secret: str | None = None
     settings: tuple[tuple[str, object], ...] = ()
     base_dir: str = "."
+    auth: AuthSpec | None = None
 
     def member(self, node_id: int) -> MemberSpec:
         for m in self.members:
@@ -287,6 +335,7 @@ class ClusterFile:
             http_port=m.http_port,
             data_dir=self.data_dir(node_id),
             secret=secret if secret is not None else self.secret,
+            auth=self.auth,
             members=members,
         )
         cfg = replace(cfg, **dict(self.settings))  # type: ignore[arg-type]
@@ -359,9 +408,74 @@ def _parse_settings(raw: object) -> tuple[tuple[str, object], ...]:
     return tuple(out)
 
 
+def _parse_token(k: int, raw: object, base_dir: str) -> TokenSpec:
+    where = f"auth.tokens[{k}]"
+    t = _table(where, raw)
+    _check_keys(where, t, {"name", "token", "token_file", "roles"})
+    name = t.get("name", f"token-{k}")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{where}.name must be a non-empty string, got {name!r}")
+    if ("token" in t) == ("token_file" in t):
+        raise ConfigError(f"{where}: set exactly one of token and token_file")
+    token_file = t.get("token_file", "")
+    if "token_file" in t:
+        if not isinstance(token_file, str) or not token_file:
+            raise ConfigError(f"{where}.token_file must be a non-empty string")
+        path = token_file if os.path.isabs(token_file) else os.path.join(base_dir, token_file)
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{where}.token_file: cannot read {path}: {exc}") from None
+        token: object = lines[0].strip() if lines else ""
+    else:
+        token = t["token"]
+    if (
+        not isinstance(token, str)
+        or len(token) < MIN_TOKEN_CHARS
+        or not all("!" <= ch <= "~" for ch in token)
+    ):
+        raise ConfigError(
+            f"{where}.token must be at least {MIN_TOKEN_CHARS} printable ASCII characters "
+            "without spaces"
+        )
+    roles = t.get("roles")
+    if (
+        not isinstance(roles, list)
+        or not roles
+        or not all(isinstance(r, str) and r in AUTH_ROLES for r in roles)
+    ):
+        raise ConfigError(
+            f"{where}.roles must be a non-empty list of {', '.join(AUTH_ROLES)}, got {roles!r}"
+        )
+    return TokenSpec(name, token, tuple(cast(list[AuthRole], roles)), cast(str, token_file))
+
+
+def _parse_auth(raw: object, base_dir: str) -> AuthSpec:
+    t = _table("auth", raw)
+    _check_keys("auth", t, {"tokens", "public"})
+    raw_tokens = t.get("tokens")
+    if not isinstance(raw_tokens, list) or not raw_tokens:
+        raise ConfigError("auth.tokens must list at least one [[auth.tokens]] table")
+    tokens = tuple(_parse_token(k, x, base_dir) for k, x in enumerate(raw_tokens))
+    names = [x.name for x in tokens]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"auth.tokens: duplicate names in {sorted(names)}")
+    if len({x.token for x in tokens}) != len(tokens):
+        raise ConfigError("auth.tokens: two tokens have the same secret")
+    public = t.get("public", list(DEFAULT_PUBLIC_PATHS))
+    if not isinstance(public, list) or not all(
+        isinstance(p, str) and p in DEFAULT_PUBLIC_PATHS for p in public
+    ):
+        raise ConfigError(
+            f"auth.public must be a list drawn from {', '.join(DEFAULT_PUBLIC_PATHS)}, "
+            f"got {public!r}"
+        )
+    return AuthSpec(tokens, tuple(cast(list[str], public)))
+
+
 def parse_cluster_file(doc: Mapping[str, object], base_dir: str = ".") -> ClusterFile:
     """Validate a decoded cluster file (see the module docstring)."""
-    _check_keys("cluster file", doc, {"cluster", "node", "members"})
+    _check_keys("cluster file", doc, {"cluster", "node", "members", "auth"})
     if "cluster" not in doc:
         raise ConfigError("[cluster] table is missing")
     cl = _table("cluster", doc["cluster"])
@@ -396,7 +510,8 @@ def parse_cluster_file(doc: Mapping[str, object], base_dir: str = ".") -> Cluste
     if not any(m.role == "voter" for m in members):
         raise ConfigError("members: at least one member must have role = 'voter'")
     settings = _parse_settings(doc["node"]) if "node" in doc else ()
-    cf = ClusterFile(cid, members, secret, settings, base_dir)
+    auth = _parse_auth(doc["auth"], base_dir) if "auth" in doc else None
+    cf = ClusterFile(cid, members, secret, settings, base_dir, auth)
     # Catch bad tunables (e.g. election_ticks <= heartbeat_ticks) at load time.
     cf.node_config(members[0].id)
     return cf
@@ -472,6 +587,15 @@ def dump_cluster_file(cf: ClusterFile) -> str:
     _toml_table(lines, "[cluster]", cluster)
     if cf.settings:
         _toml_table(lines, "[node]", dict(cf.settings))
+    if cf.auth is not None:
+        _toml_table(lines, "[auth]", {"public": list(cf.auth.public)})
+        for t in cf.auth.tokens:
+            secret_item: dict[str, object] = (
+                {"token_file": t.token_file} if t.token_file else {"token": t.token}
+            )
+            _toml_table(
+                lines, "[[auth.tokens]]", {"name": t.name, **secret_item, "roles": list(t.roles)}
+            )
     for m in cf.members:
         _toml_table(
             lines,
@@ -499,12 +623,17 @@ def write_cluster_file(cf: ClusterFile, path: str | os.PathLike[str]) -> None:
 
 
 __all__ = [
+    "AUTH_ROLES",
+    "DEFAULT_PUBLIC_PATHS",
     "TUNABLES",
+    "AuthRole",
+    "AuthSpec",
     "ClusterFile",
     "FlushMode",
     "MemberSpec",
     "NodeConfig",
     "Role",
+    "TokenSpec",
     "dump_cluster_file",
     "load_cluster_file",
     "parse_cluster_file",

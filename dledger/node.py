@@ -104,6 +104,7 @@ from dledger.errors import (
     ProposalDropped,
     TransferInProgress,
 )
+from dledger.metrics import Histogram
 from dledger.statemachine import LogStateMachine, StateMachine
 from dledger.storage.lmdb_store import LmdbStorage
 from dledger.transport.frames import DEFAULT_MAX_FRAME_SIZE
@@ -234,6 +235,7 @@ class Node:
         self._read_ctx = 0
         self._role = Role.FOLLOWER
         self._leader = NONE
+        self._campaign_term = 0  # last term this node campaigned in (counts elections)
         self.applied = 0
         self._running = False
         self._stopping = False
@@ -258,6 +260,7 @@ class Node:
             "proposals_unknown": 0,
             "proposals_dropped": 0,
             "leader_changes": 0,
+            "elections": 0,  # terms this node campaigned in (pre-votes excluded)
             "snapshots_taken": 0,
             "snapshots_installed": 0,
             "snapshots_sent": 0,
@@ -553,6 +556,11 @@ class Node:
     @property
     def leader(self) -> int:
         return self._leader
+
+    @property
+    def fsync_seconds(self) -> Histogram | None:
+        """The storage's fsync-duration histogram (None before start)."""
+        return self._storage.fsync_seconds if self._storage is not None else None
 
     def http_address_of(self, node_id: int) -> str | None:
         m = self.cfg.member(node_id)
@@ -1052,6 +1060,11 @@ class Node:
             )
         if ss.leader != self._leader:
             self.counters["leader_changes"] += 1
+        # One election per term this node stood in: a quick win may go from
+        # follower to leader within one Ready without showing the candidate.
+        if ss.role in (Role.CANDIDATE, Role.LEADER) and ss.term != self._campaign_term:
+            self._campaign_term = ss.term
+            self.counters["elections"] += 1
         self._role, self._leader = ss.role, ss.leader
         if was_leader and ss.role is not Role.LEADER and self._pending:
             n = len(self._pending)

@@ -59,8 +59,12 @@ from broker_adapter.state import (
     TopicInfo,
 )
 from dledger.admin_http import BadRequest, Unprocessable
+from dledger.config import DEFAULT_PUBLIC_PATHS
 from dledger.core.types import Role
 from dledger.errors import NotLeader
+from dledger.http_auth import ROUTE_ROLES as APP_ROUTE_ROLES
+from dledger.http_auth import RouteRole
+from dledger.metrics import Histogram, labels_text, render_histogram
 from dledger.node import Node, OutcomeUnknown
 from http_api.errors import LeaderNotReady, envelope, error_response, json_response
 from http_api.openapi import openapi_document
@@ -72,6 +76,30 @@ MAX_MESSAGES = 1000
 MAX_READ_BYTES = 8 << 20
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# The role each route needs when the cluster file turns auth on
+# (dledger.http_auth): "any" is any valid token, "public" none at all.
+ROUTE_ROLES: dict[tuple[str, str], RouteRole] = {
+    ("POST", "/v1/topics"): "admin",
+    ("GET", "/v1/topics"): "any",
+    ("GET", "/v1/topics/{topic}"): "any",
+    ("PATCH", "/v1/topics/{topic}"): "admin",
+    ("DELETE", "/v1/topics/{topic}"): "admin",
+    ("POST", "/v1/topics/{topic}/messages"): "produce",
+    ("GET", "/v1/topics/{topic}/queues/{queue}/messages"): "consume",
+    ("POST", "/v1/producers"): "produce",
+    ("GET", "/v1/groups/{group}/offsets"): "consume",
+    ("POST", "/v1/groups/{group}/offsets"): "consume",
+    ("POST", "/v1/groups/{group}/reset"): "consume",
+    ("PUT", "/v1/retention"): "admin",
+    ("GET", "/v1/cluster"): "admin",
+    ("POST", "/v1/cluster/transfer-leadership"): "admin",
+    ("POST", "/v1/cluster/members"): "admin",
+    ("GET", "/readyz"): "any",
+    ("GET", "/metrics"): "any",
+    ("GET", "/openapi.json"): "any",
+}
+UNMATCHED_ROUTE = "<unmatched>"  # one label for every 404 path: bounded cardinality
 
 
 class BrokerApi:
@@ -93,8 +121,8 @@ class BrokerApi:
         )
         self._applied = asyncio.Event()
         self._waiters = 0
-        # (method, route, status) -> [count, seconds]
-        self.requests: dict[tuple[str, str, int], list[float]] = {}
+        # (method, route, status) -> latency histogram (count and rate included)
+        self.requests: dict[tuple[str, str, int], Histogram] = {}
         sm.add_listener(self._on_apply)
 
     # -- plumbing -------------------------------------------------------------
@@ -132,17 +160,34 @@ class BrokerApi:
 
         @functools.wraps(fn)
         async def wrapped(request: web.Request) -> web.StreamResponse:
-            t0 = time.monotonic()
-            resp = await self._handle(fn, request)
-            info = request.match_info.route.resource
-            route = info.canonical if info is not None else request.path
-            key = (request.method, route, resp.status)
-            rec = self.requests.setdefault(key, [0.0, 0.0])
-            rec[0] += 1
-            rec[1] += time.monotonic() - t0
-            return resp
+            return await self._handle(fn, request)
 
         return wrapped
+
+    @web.middleware
+    async def observe(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Outermost middleware: every answer of the node's HTTP server
+        (operator routes, 401s and 404s included) by method, route, status."""
+        t0 = time.perf_counter()
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except web.HTTPException as exc:  # redirects the inner layers let through
+            status = exc.status
+            raise
+        except asyncio.CancelledError:
+            status = 499  # the client went away first (nginx's code), not a server error
+            raise
+        finally:
+            resource = request.match_info.route.resource
+            route = resource.canonical if resource is not None else UNMATCHED_ROUTE
+            key = (request.method, route, status)
+            h = self.requests.get(key)
+            if h is None:
+                h = self.requests[key] = Histogram()
+            h.observe(time.perf_counter() - t0)
 
     async def _handle(self, fn: Handler, request: web.Request) -> web.StreamResponse:
         try:
@@ -495,54 +540,69 @@ class BrokerApi:
         st = node.status()
         b = self.sm.broker.stats()
         counters = st.get("node", {})
+        commit = int(st.get("commit", 0))
         lines: list[str] = []
 
-        def gauge(name: str, value: float, help_: str, kind: str = "gauge") -> None:
+        def one(name: str, value: float, help_: str, kind: str = "gauge") -> None:
             lines.append(f"# HELP {name} {help_}")
             lines.append(f"# TYPE {name} {kind}")
             lines.append(f"{name} {value}")
 
-        gauge("dledger_term", st.get("term", 0), "current Raft term")
-        gauge("dledger_is_leader", int(node.role is Role.LEADER), "1 on the leader")
-        gauge("dledger_commit_index", st.get("commit", 0), "Raft commit index")
-        gauge("dledger_applied_index", node.applied, "last applied log index")
-        gauge("dledger_apply_lag", max(0, st.get("commit", 0) - node.applied), "commit - applied")
-        gauge("dledger_confirm_offset", b["confirm_offset"], "CommitLog confirm offset (bytes)")
-        gauge("dledger_stored_messages", b["stored_messages"], "messages retained")
-        gauge("dledger_stored_bytes", b["stored_bytes"], "message bytes retained")
-        gauge(
+        one("dledger_term", st.get("term", 0), "current Raft term")
+        one("dledger_is_leader", int(node.role is Role.LEADER), "1 on the leader")
+        one("dledger_commit_index", commit, "Raft commit index")
+        one("dledger_applied_index", node.applied, "last applied log index")
+        one("dledger_apply_lag", max(0, commit - node.applied), "commit index - applied index")
+        one("dledger_confirm_offset", b["confirm_offset"], "CommitLog confirm offset (bytes)")
+        one("dledger_stored_messages", b["stored_messages"], "messages retained")
+        one("dledger_stored_bytes", b["stored_bytes"], "message bytes retained")
+        one(
+            "dledger_elections_total",
+            counters.get("elections", 0),
+            "elections this node started (candidate in a new term)",
+            "counter",
+        )
+        one(
             "dledger_leader_changes_total",
             counters.get("leader_changes", 0),
-            "leader changes seen",
+            "times the leader this node knows changed (to none included)",
             "counter",
         )
-        gauge("dledger_fsyncs_total", counters.get("syncs", 0), "storage syncs", "counter")
-        gauge(
-            "dledger_fsync_seconds_total",
-            counters.get("sync_ms_total", 0) / 1000,
-            "time spent in storage syncs",
-            "counter",
-        )
-        lines.append("# HELP dledger_http_requests_total HTTP requests by route and status")
+        one("dledger_fsyncs_total", counters.get("syncs", 0), "group commits synced", "counter")
+        fsync = node.fsync_seconds
+        if fsync is not None:
+            lines += render_histogram(
+                "dledger_fsync_seconds",
+                "duration of storage writes that fsync (one per group commit)",
+                [((), fsync)],
+            )
+        reqs = sorted(self.requests.items())
+        lines.append("# HELP dledger_http_requests_total HTTP requests by method, route, status")
         lines.append("# TYPE dledger_http_requests_total counter")
-        for (method, route, status), (n, _) in sorted(self.requests.items()):
-            lines.append(
-                f'dledger_http_requests_total{{method="{method}",route="{route}",'
-                f'status="{status}"}} {int(n)}'
-            )
-        lines.append("# HELP dledger_http_request_seconds_total HTTP time by route and status")
-        lines.append("# TYPE dledger_http_request_seconds_total counter")
-        for (method, route, status), (_, secs) in sorted(self.requests.items()):
-            lines.append(
-                f'dledger_http_request_seconds_total{{method="{method}",route="{route}",'
-                f'status="{status}"}} {secs:.6f}'
-            )
+        for (method, route, status), h in reqs:
+            labels = labels_text((("method", method), ("route", route), ("status", str(status))))
+            lines.append(f"dledger_http_requests_total{labels} {h.count}")
+        lines += render_histogram(
+            "dledger_http_request_duration_seconds",
+            "HTTP request latency by method, route and status",
+            [((("method", m), ("route", r), ("status", str(s_))), h) for (m, r, s_), h in reqs],
+        )
         return web.Response(
-            text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8"
+            text="\n".join(lines) + "\n",
+            content_type="text/plain",
+            charset="utf-8",
+            headers={"X-Content-Type-Options": "nosniff"},
         )
 
     async def openapi(self, request: web.Request) -> web.Response:
-        return json_response(openapi_document(request.app))
+        auth = self.node.cfg.auth
+        doc = openapi_document(
+            request.app,
+            {k: str(v) for k, v in request.app[APP_ROUTE_ROLES].items()},
+            auth_on=auth is not None,
+            public=auth.public if auth is not None else DEFAULT_PUBLIC_PATHS,
+        )
+        return json_response(doc)
 
 
 # ---------------------------------------------------------------------------

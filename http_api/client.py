@@ -10,6 +10,11 @@ produce through an :class:`IdempotentProducer` re-sends the same batch with
 the same sequence, which the broker answers with the original offsets.
 A plain produce raises :class:`OutcomeUnknownError` instead.
 
+Authentication: pass ``token=`` (or set ``DLEDGER_TOKEN``) when the cluster
+file has ``[auth]`` tokens; every request then carries
+``Authorization: Bearer <token>``. A ``401`` raises
+:class:`AuthenticationError`, a ``403`` :class:`PermissionDeniedError`.
+
 An :class:`IdempotentProducer` chooses the queue itself (explicit queue,
 hash of the sharding key with the broker's hash, else round robin) so that
 it knows which per-queue sequence a batch carries.
@@ -21,6 +26,7 @@ import asyncio
 import base64
 import http.client
 import json
+import os
 import time
 import urllib.parse
 import zlib
@@ -48,6 +54,24 @@ class OutcomeUnknownError(ApiError):
 
 class UnavailableError(ApiError):
     """No node could serve the request within the retry budget."""
+
+
+class AuthenticationError(ApiError):
+    """401: no token, or one the cluster does not know."""
+
+
+class PermissionDeniedError(ApiError):
+    """403: the token lacks the role the route needs."""
+
+
+TOKEN_ENV = "DLEDGER_TOKEN"
+
+
+def _auth_headers(token: str | None) -> dict[str, str]:
+    """``token`` or, when it is None, ``$DLEDGER_TOKEN``; empty: no header."""
+    if token is None:
+        token = os.environ.get(TOKEN_ENV) or None
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +145,12 @@ def _error(status: int, body: Any) -> ApiError:
     e = body.get("error", {}) if isinstance(body, dict) else {}
     code = str(e.get("code", "HTTP_ERROR"))
     details = {k: v for k, v in e.items() if k not in ("code", "message")}
-    cls = OutcomeUnknownError if status == 504 else ApiError
-    return cls(status, code, str(e.get("message", "")), details)
+    classes: dict[int, type[ApiError]] = {
+        504: OutcomeUnknownError,
+        401: AuthenticationError,
+        403: PermissionDeniedError,
+    }
+    return classes.get(status, ApiError)(status, code, str(e.get("message", "")), details)
 
 
 def _acks(body: dict[str, Any]) -> list[Ack]:
@@ -185,14 +213,23 @@ def queue_for_key(key: str, queues: int) -> int:
 
 
 class Client:
-    """Synchronous client. ``addresses``: ``host:port`` of any nodes."""
+    """Synchronous client. ``addresses``: ``host:port`` of any nodes;
+    ``token``: bearer token (default ``$DLEDGER_TOKEN``, if set)."""
 
     def __init__(
-        self, addresses: Sequence[str], timeout_s: float = 10.0, retry_for_s: float = 30.0
+        self,
+        addresses: Sequence[str],
+        timeout_s: float = 10.0,
+        retry_for_s: float = 30.0,
+        token: str | None = None,
     ) -> None:
         if not addresses:
             raise ValueError("at least one node address is needed")
         self.addresses = list(addresses)
+        self._auth = _auth_headers(token)
+        # Safe requests sent again after an unknown outcome (connection lost
+        # after sending, timeout, 504): what the idempotent producer is for.
+        self.resent_after_unknown = 0
         self.timeout_s = timeout_s
         self.retry_for_s = retry_for_s
         self._current = self.addresses[0]
@@ -211,6 +248,7 @@ class Client:
             except (OSError, http.client.HTTPException) as exc:
                 if not safe:
                     raise OutcomeUnknownError(0, "CONNECTION", repr(exc), {}) from None
+                self.resent_after_unknown += 1
                 status, headers, raw = 0, {}, b""
             if status == 307 and "location" in headers:
                 address = urllib.parse.urlsplit(headers["location"]).netloc
@@ -220,6 +258,7 @@ class Client:
                 self._current = address
                 return parsed
             if status == 504 and safe:
+                self.resent_after_unknown += 1
                 status = 503
             if status in (0, *RETRY_STATUSES):
                 if time.monotonic() > deadline:
@@ -236,7 +275,9 @@ class Client:
         host, _, port = address.rpartition(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=self.timeout_s)
         try:
-            headers = {"Content-Type": "application/json"} if data is not None else {}
+            headers = dict(self._auth)
+            if data is not None:
+                headers["Content-Type"] = "application/json"
             conn.request(method, path, body=data, headers=headers)
             r = conn.getresponse()
             return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
@@ -371,7 +412,11 @@ class AsyncClient:
     """The same API over aiohttp (``async with AsyncClient([...]) as c``)."""
 
     def __init__(
-        self, addresses: Sequence[str], timeout_s: float = 10.0, retry_for_s: float = 30.0
+        self,
+        addresses: Sequence[str],
+        timeout_s: float = 10.0,
+        retry_for_s: float = 30.0,
+        token: str | None = None,
     ) -> None:
         import aiohttp
 
@@ -380,7 +425,10 @@ class AsyncClient:
         self.addresses = list(addresses)
         self.retry_for_s = retry_for_s
         self._current = self.addresses[0]
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
+        self.resent_after_unknown = 0
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=timeout_s), headers=_auth_headers(token)
+        )
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -411,6 +459,7 @@ class AsyncClient:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 if not safe:
                     raise OutcomeUnknownError(0, "CONNECTION", repr(exc), {}) from None
+                self.resent_after_unknown += 1
                 status = 0
             if status == 307 and location:
                 address = urllib.parse.urlsplit(location).netloc
@@ -419,6 +468,7 @@ class AsyncClient:
                 self._current = address
                 return parsed
             if status == 504 and safe:
+                self.resent_after_unknown += 1
                 status = 503
             if status in (0, *RETRY_STATUSES):
                 if time.monotonic() > deadline:

@@ -1,113 +1,621 @@
-"""An OpenAPI 3.1 document built from the application's own router, so it
-cannot miss a route: every registered (method, path) is listed, with the
-path parameters taken from the route and the query parameters and bodies
-described in :data:`DESCRIPTIONS` (routes without an entry get a generic one).
+"""The OpenAPI 3.1 document, built from the application's own router so it
+cannot miss a route: every registered (method, path) is listed. What a
+route takes and answers (parameters with types and bounds, the request
+body, a schema per response status) comes from :data:`OPERATIONS`; a route
+without an entry is still listed, marked ``x-undocumented`` (a test keeps
+that list empty). Schemas are JSON Schema 2020-12, as OpenAPI 3.1 uses them;
+tests validate live answers against them.
+
+The document is the contract the fuzz test holds the server to: an answer's
+status must be one the operation declares, and its body must match that
+status's schema.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
+from broker_adapter.codec import MAX_QUEUES, NAME_MAX_LEN
+
 _PARAM = re.compile(r"{(\w+)}")
+U62 = (1 << 62) - 1
 
-ERROR_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["code", "message"],
-            "properties": {
-                "code": {"type": "string"},
-                "message": {"type": "string"},
-                "field": {"type": "string"},
-            },
-            "additionalProperties": True,
-        }
-    },
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _int(lo: int | None = None, hi: int | None = None) -> dict[str, Any]:
+    s: dict[str, Any] = {"type": "integer"}
+    if lo is not None:
+        s["minimum"] = lo
+    if hi is not None:
+        s["maximum"] = hi
+    return s
+
+
+def _obj(required: list[str], props: dict[str, Any], extra: bool = False) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": required,
+        "properties": props,
+        "additionalProperties": extra,
+    }
+
+
+_STR: dict[str, Any] = {"type": "string"}
+_BOOL: dict[str, Any] = {"type": "boolean"}
+_NAME: dict[str, Any] = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": NAME_MAX_LEN,
+    "pattern": "^[A-Za-z0-9_.%|-]+$",
 }
+_STR_OR_NULL: dict[str, Any] = {"type": ["string", "null"]}
+_INT_OR_NULL: dict[str, Any] = {"type": ["integer", "null"]}
 
-_INT = {"type": "integer"}
-_STR = {"type": "string"}
-
-# (method, path) -> (summary, query parameters {name: schema}, has JSON body)
-DESCRIPTIONS: dict[tuple[str, str], tuple[str, dict[str, dict[str, Any]], bool]] = {
-    ("POST", "/v1/topics"): ("Create a topic {name, queues}", {}, True),
-    ("GET", "/v1/topics"): ("List topics", {"consistency": _STR}, False),
-    ("GET", "/v1/topics/{topic}"): ("Describe a topic", {"consistency": _STR}, False),
-    ("PATCH", "/v1/topics/{topic}"): ("Grow a topic's queue count {queues}", {}, True),
-    ("DELETE", "/v1/topics/{topic}"): ("Delete a topic", {}, False),
-    ("POST", "/v1/topics/{topic}/messages"): (
-        "Produce a batch; answers after commit and apply",
-        {"timeout_ms": _INT},
-        True,
-    ),
-    ("GET", "/v1/topics/{topic}/queues/{queue}/messages"): (
-        "Consume by queue offset (long-poll)",
+SCHEMAS: dict[str, dict[str, Any]] = {
+    # -- errors -------------------------------------------------------------
+    "Error": _obj(
+        ["error"],
         {
-            "offset": _INT,
-            "max_messages": _INT,
-            "max_bytes": _INT,
-            "wait_ms": _INT,
-            "tag": _STR,
-            "encoding": _STR,
-            "consistency": _STR,
+            "error": _obj(
+                ["code", "message"],
+                {
+                    "code": {"type": "string", "pattern": "^[A-Z0-9_]+$"},
+                    "message": _STR,
+                    "field": {"type": "string", "description": "the request field at fault"},
+                },
+                extra=True,
+            )
         },
-        False,
     ),
-    ("POST", "/v1/producers"): ("Register an idempotent producer", {}, True),
-    ("GET", "/v1/groups/{group}/offsets"): (
-        "Committed consumer offsets",
-        {"topic": _STR, "consistency": _STR},
-        False,
+    "NotLeaderError": _obj(
+        ["error"],
+        {
+            "error": _obj(
+                ["code", "message", "leader", "leader_http"],
+                {
+                    "code": {"const": "NOT_LEADER"},
+                    "message": _STR,
+                    "leader": _int(1),
+                    "leader_http": _STR,
+                },
+            )
+        },
     ),
-    ("POST", "/v1/groups/{group}/offsets"): ("Commit consumer offsets", {}, True),
-    ("POST", "/v1/groups/{group}/reset"): ("Reset a group's offsets", {}, True),
-    ("PUT", "/v1/retention"): ("Set retention and producer expiry", {}, True),
-    ("GET", "/v1/cluster"): ("Node, Raft and broker status", {}, False),
-    ("POST", "/v1/cluster/transfer-leadership"): ("Transfer leadership {to}", {}, True),
-    ("POST", "/v1/cluster/members"): ("Change membership {op, id}", {}, True),
+    # -- messages -----------------------------------------------------------
+    "MessageIn": _obj(
+        ["value"],
+        {
+            "value": {"type": "string", "description": "base64, or UTF-8 text (see encoding)"},
+            "encoding": {"enum": ["base64", "utf-8"], "default": "base64"},
+            "key": _STR,
+            "keys": {"type": "array", "items": _STR},
+            "tags": {"oneOf": [_STR, {"type": "array", "items": _STR}]},
+            "tag": _STR,
+            "properties": {"type": "object", "additionalProperties": _STR},
+            "queue": _int(0, MAX_QUEUES - 1),
+            "sharding_key": _STR,
+            "born_ts_ms": _int(0, U62),
+        },
+    ),
+    "ProduceRequest": _obj(
+        ["messages"],
+        {
+            "messages": {"type": "array", "minItems": 1, "items": _ref("MessageIn")},
+            "producer_id": _int(0, (1 << 64) - 1),
+            "epoch": _int(0, (1 << 32) - 1),
+            "sequence": _int(0, U62),
+        },
+    ),
+    "ProducedMessage": _obj(
+        ["queue", "queue_offset", "commit_offset", "size", "msg_id", "duplicate"],
+        {
+            "queue": _int(0),
+            "queue_offset": _int(0),
+            "commit_offset": _int(0),
+            "size": _int(0),
+            "msg_id": _STR,
+            "duplicate": _BOOL,
+        },
+    ),
+    "ProduceResult": _obj(
+        ["topic", "duplicate", "store_ts_ms", "messages"],
+        {
+            "topic": _NAME,
+            "duplicate": _BOOL,
+            "store_ts_ms": _int(0),
+            "messages": {"type": "array", "items": _ref("ProducedMessage")},
+        },
+    ),
+    "Message": _obj(
+        [
+            "queue_offset",
+            "commit_offset",
+            "size",
+            "msg_id",
+            "store_ts_ms",
+            "born_ts_ms",
+            "tags",
+            "keys",
+            "properties",
+            "value",
+            "encoding",
+        ],
+        {
+            "queue_offset": _int(0),
+            "commit_offset": _int(0),
+            "size": _int(0),
+            "msg_id": _STR,
+            "store_ts_ms": _int(0),
+            "born_ts_ms": _int(0),
+            "tags": _STR,
+            "keys": {"type": "array", "items": _STR},
+            "properties": {"type": "object", "additionalProperties": _STR},
+            "value": _STR,
+            "encoding": {"enum": ["base64", "utf-8"]},
+        },
+    ),
+    "ConsumeResult": _obj(
+        ["messages", "next_offset", "min_offset", "max_offset", "confirm_offset"],
+        {
+            "messages": {"type": "array", "items": _ref("Message")},
+            "next_offset": _int(0),
+            "min_offset": _int(0),
+            "max_offset": _int(0),
+            "confirm_offset": _int(0),
+        },
+    ),
+    "ProducerRequest": _obj([], {"producer_id": _int(1, (1 << 64) - 1)}),
+    "Producer": _obj(["producer_id", "epoch"], {"producer_id": _int(1), "epoch": _int(0)}),
+    # -- topics -------------------------------------------------------------
+    "CreateTopicRequest": _obj(
+        ["name"], {"name": _NAME, "queues": {**_int(1, MAX_QUEUES), "default": 8}}
+    ),
+    "UpdateTopicRequest": _obj(["queues"], {"queues": _int(1, MAX_QUEUES)}),
+    "QueueInfo": _obj(
+        ["queue", "min_offset", "max_offset"],
+        {"queue": _int(0), "min_offset": _int(0), "max_offset": _int(0)},
+    ),
+    "Topic": _obj(
+        ["name", "queues"],
+        {"name": _NAME, "queues": {"type": "array", "items": _ref("QueueInfo")}},
+    ),
+    "TopicList": _obj(["topics"], {"topics": {"type": "array", "items": _ref("Topic")}}),
+    "Deleted": _obj(["deleted"], {"deleted": _NAME}),
+    # -- groups ---------------------------------------------------------------
+    "GroupOffset": _obj(
+        ["topic", "queue", "offset"],
+        {"topic": _NAME, "queue": _int(0, MAX_QUEUES - 1), "offset": _int(0, U62)},
+    ),
+    "CommitOffsetsRequest": _obj(
+        ["offsets"], {"offsets": {"type": "array", "minItems": 1, "items": _ref("GroupOffset")}}
+    ),
+    "Offsets": _obj(
+        ["group", "offsets"],
+        {"group": _NAME, "offsets": {"type": "array", "items": _ref("GroupOffset")}},
+    ),
+    "ResetRequest": _obj(
+        ["topic"],
+        {
+            "topic": _NAME,
+            "to": {"enum": ["earliest", "latest", "timestamp"], "default": "earliest"},
+            "timestamp_ms": _int(0, U62),
+        },
+    ),
+    # -- retention and cluster ------------------------------------------------
+    "Retention": _obj(
+        ["max_bytes", "max_age_ms", "producer_idle_ms"],
+        {"max_bytes": _int(0), "max_age_ms": _int(0), "producer_idle_ms": _int(0)},
+    ),
+    "RetentionRequest": _obj(
+        [],
+        {"max_bytes": _int(0, U62), "max_age_ms": _int(0, U62), "producer_idle_ms": _int(0, U62)},
+    ),
+    "RaftStatus": _obj(
+        ["id", "cluster_id", "running"],
+        {
+            "id": _int(1),
+            "cluster_id": _STR,
+            "running": _BOOL,
+            "role": {"enum": ["follower", "pre_candidate", "candidate", "leader", "learner"]},
+            "term": _int(0),
+            "leader": _int(0),
+            "leader_http": _STR_OR_NULL,
+            "commit": _int(0),
+            "applied": _int(0),
+            "last_index": _int(0),
+            "lease_remaining_ms": _int(0),
+            "config": _obj(
+                ["voters", "learners"],
+                {
+                    "voters": {"type": "array", "items": _int(1)},
+                    "learners": {"type": "array", "items": _int(1)},
+                },
+            ),
+            "peers": {"type": "object", "additionalProperties": {"type": "object"}},
+            "epochs": {"type": "object", "additionalProperties": _int(0)},
+        },
+        extra=True,
+    ),
+    "ClusterStatus": {
+        "allOf": [
+            _ref("RaftStatus"),
+            {
+                "type": "object",
+                "required": ["role", "term", "leader", "commit", "applied", "peers", "broker"],
+                "properties": {
+                    "broker": _obj(
+                        [
+                            "confirm_offset",
+                            "topics",
+                            "stored_messages",
+                            "stored_bytes",
+                            "epoch_map",
+                        ],
+                        {
+                            "confirm_offset": _int(0),
+                            "topics": _int(0),
+                            "stored_messages": _int(0),
+                            "stored_bytes": _int(0),
+                            "epoch_map": {"type": "object", "additionalProperties": _int(0)},
+                        },
+                        extra=True,
+                    )
+                },
+            },
+        ]
+    },
+    "TransferRequest": _obj(["to"], {"to": _int(1, (1 << 31) - 1)}),
+    "Transfer": _obj(["leader", "leader_http"], {"leader": _int(1), "leader_http": _STR_OR_NULL}),
+    "MembersRequest": _obj(
+        ["op", "id"],
+        {"op": {"enum": ["add_learner", "promote", "remove"]}, "id": _int(1, (1 << 31) - 1)},
+    ),
+    "Membership": _obj(
+        ["config"],
+        {
+            "config": _obj(
+                ["voters", "learners"],
+                {
+                    "voters": {"type": "array", "items": _int(1)},
+                    "learners": {"type": "array", "items": _int(1)},
+                },
+            )
+        },
+    ),
+    "Ready": _obj(
+        ["ready", "role", "leader", "lag"],
+        {"ready": {"const": True}, "role": _STR, "leader": _int(1), "lag": _int()},
+    ),
+    "Health": _obj(
+        ["status", "id", "role", "leader"],
+        {
+            "status": {"enum": ["ok", "failed"]},
+            "id": _int(1),
+            "role": _STR,
+            "leader": _int(0),
+            "error": _STR,
+        },
+    ),
+    # -- operator routes (/raft/*) ------------------------------------------
+    "Proposed": _obj(
+        ["index", "term", "result"], {"index": _int(1), "term": _int(1), "result": {}}
+    ),
+    "ReadBarrier": _obj(
+        ["consistency", "index", "applied", "mode"],
+        {
+            "consistency": {"enum": ["committed", "linearizable"]},
+            "index": _int(0),
+            "applied": _int(0),
+            "mode": {},
+        },
+    ),
+    "AppliedRecords": _obj(
+        ["id", "applied", "records", "next"],
+        {"id": _int(1), "applied": _int(0), "records": {"type": "array"}, "next": _INT_OR_NULL},
+    ),
+    "AppliedMessages": _obj(
+        ["id", "applied", "messages"],
+        {
+            "id": _int(1),
+            "applied": _int(0),
+            "messages": {
+                "type": "array",
+                "items": _obj(
+                    ["index", "term"],
+                    {"index": _int(1), "term": _int(0), "text": _STR, "base64": _STR},
+                ),
+            },
+        },
+    ),
+    "BenchResult": {"type": "object"},
+    "OpenApiDocument": _obj(["openapi", "info", "paths"], {"openapi": _STR}, extra=True),
+}
+
+_Q_CONSISTENCY: dict[str, Any] = {
+    "enum": ["committed", "linearizable"],
+    "default": "committed",
+}
+_Q_TIMEOUT = _int(1, 600_000)
+
+# Error statuses: where each can come from.
+_ALWAYS = (401, 403, 429, 503)  # auth (when on), overload, stopped/no leader
+_BODY = (400, 413, 422)  # routes that read a JSON body
+_WRITE = (307, 409, 504)  # through the log on the leader: redirect, conflict, unknown outcome
+_READ = (307, 422, 504)  # consistency=linearizable may redirect or time out
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    summary: str
+    ok: tuple[int, str]  # success status and its schema name
+    query: dict[str, dict[str, Any]] = field(default_factory=dict)
+    body: str | None = None  # request schema name
+    errors: tuple[int, ...] = ()
+    content: str = "application/json"
+    path_schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
+    extra: dict[int, str] = field(default_factory=dict)  # other non-error answers
+
+
+OPERATIONS: dict[tuple[str, str], Op] = {
+    ("POST", "/v1/topics"): Op(
+        "Create a topic", (201, "Topic"), {"timeout_ms": _Q_TIMEOUT}, "CreateTopicRequest",
+        (*_BODY, *_WRITE),
+    ),
+    ("GET", "/v1/topics"): Op(
+        "List topics", (200, "TopicList"),
+        {"consistency": _Q_CONSISTENCY, "timeout_ms": _Q_TIMEOUT}, None, _READ,
+    ),
+    ("GET", "/v1/topics/{topic}"): Op(
+        "Describe a topic: its queues and their offsets", (200, "Topic"),
+        {"consistency": _Q_CONSISTENCY, "timeout_ms": _Q_TIMEOUT}, None, (404, *_READ),
+    ),
+    ("PATCH", "/v1/topics/{topic}"): Op(
+        "Grow a topic's queue count", (200, "Topic"), {"timeout_ms": _Q_TIMEOUT},
+        "UpdateTopicRequest", (404, *_BODY, *_WRITE),
+    ),
+    ("DELETE", "/v1/topics/{topic}"): Op(
+        "Delete a topic", (200, "Deleted"), {"timeout_ms": _Q_TIMEOUT}, None,
+        (404, 422, *_WRITE),
+    ),
+    ("POST", "/v1/topics/{topic}/messages"): Op(
+        "Produce a batch; answers after commit and apply", (200, "ProduceResult"),
+        {"timeout_ms": _Q_TIMEOUT}, "ProduceRequest", (404, *_BODY, *_WRITE),
+    ),
+    ("GET", "/v1/topics/{topic}/queues/{queue}/messages"): Op(
+        "Consume by queue offset (long-poll: empty list after wait_ms)", (200, "ConsumeResult"),
+        {
+            "offset": _int(0, U62),
+            "max_messages": {**_int(1, 1000), "default": 32},
+            "max_bytes": {**_int(1, 8 << 20), "default": 1 << 20},
+            "wait_ms": {**_int(0, 30_000), "default": 0},
+            "tag": _STR,
+            "encoding": {"enum": ["base64", "utf-8"], "default": "base64"},
+            "consistency": _Q_CONSISTENCY,
+            "timeout_ms": _Q_TIMEOUT,
+        },
+        None, (404, 416, *_READ),
+        path_schemas={"queue": _int(0, MAX_QUEUES - 1)},
+    ),
+    ("POST", "/v1/producers"): Op(
+        "Register (or re-register, fencing the old epoch) an idempotent producer",
+        (200, "Producer"), {"timeout_ms": _Q_TIMEOUT}, "ProducerRequest", (*_BODY, *_WRITE),
+    ),
+    ("GET", "/v1/groups/{group}/offsets"): Op(
+        "A consumer group's committed offsets", (200, "Offsets"),
+        {"topic": _NAME, "consistency": _Q_CONSISTENCY, "timeout_ms": _Q_TIMEOUT},
+        None, (404, *_READ),
+    ),
+    ("POST", "/v1/groups/{group}/offsets"): Op(
+        "Commit consumer offsets (through the log)", (200, "Offsets"),
+        {"timeout_ms": _Q_TIMEOUT}, "CommitOffsetsRequest", (404, 416, *_BODY, *_WRITE),
+    ),
+    ("POST", "/v1/groups/{group}/reset"): Op(
+        "Reset a group's offsets on a topic", (200, "Offsets"), {"timeout_ms": _Q_TIMEOUT},
+        "ResetRequest", (404, *_BODY, *_WRITE),
+    ),
+    ("PUT", "/v1/retention"): Op(
+        "Set retention and producer expiry", (200, "Retention"), {"timeout_ms": _Q_TIMEOUT},
+        "RetentionRequest", (*_BODY, *_WRITE),
+    ),
+    ("GET", "/v1/cluster"): Op(
+        "Node, Raft and broker status (members, roles, leader, term, commit index, "
+        "confirm offset, lag per replica, lease remaining, epoch map)",
+        (200, "ClusterStatus"),
+    ),
+    ("POST", "/v1/cluster/transfer-leadership"): Op(
+        "Transfer leadership to a caught-up voter", (200, "Transfer"),
+        {"timeout_ms": _Q_TIMEOUT}, "TransferRequest", (*_BODY, *_WRITE),
+    ),
+    ("POST", "/v1/cluster/members"): Op(
+        "Add a learner, promote a learner, or remove a member", (200, "Membership"),
+        {"timeout_ms": _Q_TIMEOUT}, "MembersRequest", (*_BODY, *_WRITE),
+    ),
+    ("GET", "/readyz"): Op(
+        "Ready: a leader is known and this node applied all it knows committed",
+        (200, "Ready"),
+    ),
+    ("GET", "/healthz"): Op("The process is up", (200, "Health"), extra={503: "Health"}),
+    ("GET", "/metrics"): Op("Prometheus text format", (200, ""), content="text/plain"),
+    ("GET", "/openapi.json"): Op("This document", (200, "OpenApiDocument")),
+    # operator routes of dledger.admin_http
+    ("GET", "/raft/status"): Op("Raft status of this node", (200, "RaftStatus")),
+    ("POST", "/raft/propose"): Op(
+        "Propose the raw request body as one log entry (operator/test route)",
+        (200, "Proposed"), {"timeout_ms": _Q_TIMEOUT}, "", (400, 409, 413, 422, 307, 504),
+    ),
+    ("GET", "/raft/read"): Op(
+        "A read barrier", (200, "ReadBarrier"),
+        {"consistency": {"enum": ["committed", "linearizable"], "default": "linearizable"},
+         "timeout_ms": _Q_TIMEOUT},
+        None, (400, *_READ),
+    ),
+    ("GET", "/raft/applied"): Op(
+        "Applied records", (200, "AppliedRecords"),
+        {"from": _int(1), "max": _int(1, 10_000)}, None, (400, 422),
+    ),
+    ("GET", "/raft/messages"): Op(
+        "Recent applied payloads", (200, "AppliedMessages"),
+        {"from": _int(1), "max": _int(1, 10_000)}, None, (400, 422),
+    ),
+    ("POST", "/raft/transfer"): Op(
+        "Transfer leadership", (200, "Transfer"), {"to": _int(1), "timeout_ms": _Q_TIMEOUT},
+        None, (400, 422, 307, 409, 504),
+    ),
+    ("POST", "/raft/members"): Op(
+        "Change membership", (200, "Membership"), {"timeout_ms": _Q_TIMEOUT},
+        "MembersRequest", (*_BODY, *_WRITE),
+    ),
+    ("POST", "/raft/bench"): Op(
+        "Drive this leader from inside its process (benchmarks)", (200, "BenchResult"),
+        {"n": _int(1, 10_000_000), "size": _int(0), "window": _int(1), "rate": {"type": "number"}},
+        None, (400, 422, 307, 409, 504),
+    ),
+}  # fmt: skip
+
+
+def _operation(
+    method: str, path: str, op: Op | None, role: str | None, auth_on: bool
+) -> dict[str, Any]:
+    params: list[dict[str, Any]] = []
+    for name in _PARAM.findall(path):
+        schema = (op.path_schemas.get(name) if op else None) or (
+            _NAME if name in ("topic", "group") else _STR
+        )
+        params.append({"name": name, "in": "path", "required": True, "schema": schema})
+    responses: dict[str, Any] = {}
+    if op is None:
+        out: dict[str, Any] = {
+            "summary": f"{method} {path}",
+            "x-undocumented": True,
+            "parameters": params,
+            "responses": {"default": {"description": "undocumented"}},
+        }
+        return out
+    params += [
+        {"name": n, "in": "query", "required": False, "schema": s} for n, s in op.query.items()
+    ]
+    status, ok_schema = op.ok
+    if op.content == "application/json":
+        responses[str(status)] = {
+            "description": "OK" if status == 200 else "Created",
+            "content": {"application/json": {"schema": _ref(ok_schema)}},
+        }
+    else:
+        responses[str(status)] = {
+            "description": "OK",
+            "content": {op.content: {"schema": {"type": "string"}}},
+        }
+    for st, name in op.extra.items():
+        responses[str(st)] = {
+            "description": "see schema",
+            "content": {"application/json": {"schema": _ref(name)}},
+        }
+    errors = set(op.errors) | set(_ALWAYS if role != "public" else (429, 503))
+    if _PARAM.search(path):
+        errors.add(404)  # unknown topic or group, or a path value that matches no route
+    for st in sorted(errors):
+        if str(st) in responses:
+            continue
+        if st == 307:
+            responses["307"] = {
+                "description": "Not the leader: Location names the leader's URL",
+                "headers": {"Location": {"schema": _STR, "required": True}},
+                "content": {"application/json": {"schema": _ref("NotLeaderError")}},
+            }
+            continue
+        entry: dict[str, Any] = {
+            "description": _ERROR_TEXT.get(st, "error"),
+            "content": {"application/json": {"schema": _ref("Error")}},
+        }
+        if st in (429, 503):
+            entry["headers"] = {"Retry-After": {"schema": _STR, "required": True}}
+        if st == 401:
+            entry["headers"] = {"WWW-Authenticate": {"schema": _STR, "required": True}}
+        responses[str(st)] = entry
+    out = {
+        "summary": op.summary,
+        "operationId": _operation_id(method, path),
+        "parameters": params,
+        "responses": responses,
+    }
+    if role is not None:
+        out["x-required-role"] = role
+        if auth_on:
+            out["security"] = [] if role == "public" else [{"bearer": []}]
+    if op.body is not None:
+        out["requestBody"] = {
+            "required": op.body != "",
+            "content": (
+                {"application/json": {"schema": _ref(op.body)}}
+                if op.body
+                else {"application/octet-stream": {"schema": {"type": "string"}}}
+            ),
+        }
+    return out
+
+
+_ERROR_TEXT = {
+    400: "The body is not JSON (or a query value cannot be parsed)",
+    401: "Missing or invalid bearer token (auth on)",
+    403: "The token lacks the route's role (auth on)",
+    404: "Unknown topic or group, or no such route",
+    409: "Conflict: exists, sequence gap, fenced producer, proposal dropped",
+    413: "Body or message too large",
+    416: "Offset out of range; the valid range is in the body",
+    422: "A field is invalid; field names it",
+    429: "Overloaded; retry after Retry-After",
+    503: "No leader known, leader not ready, or stopping; retry after Retry-After",
+    504: "No answer in time; a write's outcome is unknown",
 }
 
 
-def openapi_document(app: web.Application) -> dict[str, Any]:
+def _operation_id(method: str, path: str) -> str:
+    words = re.sub(r"[{}]", "", path).strip("/").replace(".", "_").replace("-", "_")
+    return method.lower() + "_" + re.sub(r"[^A-Za-z0-9]+", "_", words)
+
+
+def openapi_document(
+    app: web.Application,
+    roles: dict[tuple[str, str], str] | None = None,
+    auth_on: bool = False,
+    public: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """The document of ``app``'s routes; ``roles`` (the auth table) adds
+    each operation's ``x-required-role`` and, with ``auth_on``, its security."""
     paths: dict[str, dict[str, Any]] = {}
     for route in app.router.routes():
         method = route.method.upper()
         if method in ("HEAD", "*") or route.resource is None:
             continue
         path = route.resource.canonical
-        summary, query, has_body = DESCRIPTIONS.get((method, path), (f"{method} {path}", {}, False))
-        params: list[dict[str, Any]] = [
-            {"name": n, "in": "path", "required": True, "schema": _STR}
-            for n in _PARAM.findall(path)
-        ]
-        params += [
-            {"name": n, "in": "query", "required": False, "schema": schema}
-            for n, schema in query.items()
-        ]
-        op: dict[str, Any] = {
-            "summary": summary,
-            "parameters": params,
-            "responses": {
-                "200": {"description": "OK"},
-                "default": {
-                    "description": "error envelope",
-                    "content": {"application/json": {"schema": ERROR_SCHEMA}},
-                },
-            },
-        }
-        if has_body:
-            op["requestBody"] = {
-                "required": False,
-                "content": {"application/json": {"schema": {"type": "object"}}},
-            }
+        role: str | None = None
+        if roles is not None:
+            role = (
+                "public"
+                if method == "GET" and path in public
+                else roles.get((method, path), "admin")
+            )
+        op = _operation(method, path, OPERATIONS.get((method, path)), role, auth_on)
         paths.setdefault(path, {})[method.lower()] = op
-    return {
+    doc: dict[str, Any] = {
         "openapi": "3.1.0",
-        "info": {"title": "DLedger-py", "version": "0.1.0"},
+        "info": {
+            "title": "DLedger-py",
+            "version": "0.1.0",
+            "description": "A RocketMQ-style CommitLog replicated by Raft: produce, consume, "
+            "consumer groups, topic and cluster admin. Errors share one envelope.",
+        },
         "paths": dict(sorted(paths.items())),
+        "components": {
+            "schemas": SCHEMAS,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
     }
+    return doc

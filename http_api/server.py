@@ -8,8 +8,10 @@ from aiohttp import web
 from broker_adapter.node_sm import BrokerStateMachine
 from dledger.admin_http import AdminServer, make_app
 from dledger.config import NodeConfig
+from dledger.http_auth import ROUTE_ROLES
 from dledger.node import Node
 from dledger.statemachine import LogStateMachine, StateMachine
+from http_api.app import ROUTE_ROLES as API_ROUTE_ROLES
 from http_api.app import BrokerApi
 
 API_KEY = web.AppKey("broker_api", BrokerApi)
@@ -30,6 +32,8 @@ def make_node_app(node: Node) -> web.Application:
         api = BrokerApi(node, sm, node.cfg.auto_create_topic_queues)
         app[API_KEY] = api
         app.router.add_routes(api.routes())
+        app[ROUTE_ROLES].update(API_ROUTE_ROLES)
+        app.middlewares.insert(0, api.observe)  # outermost: sees every answer
     return app
 
 

@@ -114,6 +114,7 @@ import contextlib
 import os
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -130,6 +131,7 @@ from dledger.errors import (
     InvariantViolation,
     StorageCorrupted,
 )
+from dledger.metrics import Histogram
 
 FlushMode = Literal["sync", "async"]
 VerifyMode = Literal["tail", "full"]
@@ -352,6 +354,9 @@ class LmdbStorage:
         self.write_txns = 0  # committed sync() batches
         self.flushes = 0  # explicit fsyncs in async mode
         self.map_growths = 0
+        # Durations of the writes that fsync: each group commit in sync mode
+        # (one LMDB commit = write + fsync), each explicit flush in async mode.
+        self.fsync_seconds = Histogram()
 
         os.makedirs(self.path, exist_ok=True)
         _check_data_file_size(os.path.join(self.path, "data.mdb"))
@@ -1002,7 +1007,10 @@ class LmdbStorage:
             name = self._snap_pending_file or self._write_snapshot_file(snap)
             header = snapshot_header(snap.meta, len(snap.data))
         self._batch_snap_header = header
+        t0 = time.perf_counter()
         self._write(self._apply_batch)
+        if self.flush_mode == "sync":
+            self.fsync_seconds.observe(time.perf_counter() - t0)
         # Only now, after a successful commit, is the batch forgotten.
         self._pending.clear()
         self._limit = self._last + 1
@@ -1106,7 +1114,9 @@ class LmdbStorage:
     def flush(self) -> None:
         """Async mode: fsync every committed transaction now."""
         if self._unflushed and not self._closed:
+            t0 = time.perf_counter()
             self._env.sync(True)
+            self.fsync_seconds.observe(time.perf_counter() - t0)
             self._unflushed = False
             self.flushes += 1
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dledger.cluster import HTTP_ERRORS, LocalCluster, http_request
+from tests.http.conformance import Conformance
 
 START_TIMEOUT_S = 60.0
 
@@ -22,6 +23,21 @@ class ApiCluster(LocalCluster):
     def __init__(self, directory: Path) -> None:
         super().__init__(directory)
         self.leader_hint: int | None = None
+        self.token: str | None = None  # bearer token for call(), when auth is on
+        self._conformance: Conformance | None = None
+
+    def conformance(self) -> Conformance | None:
+        """/openapi.json of the cluster (fetched once), None while no node answers."""
+        if self._conformance is None:
+            for nid in self.ids():
+                try:
+                    r = http_request(self.http(nid), "GET", "/openapi.json", timeout_s=5)
+                except HTTP_ERRORS:
+                    continue
+                if r.status == 200:
+                    self._conformance = Conformance(r.json())
+                    break
+        return self._conformance
 
     def _node_of(self, address: str) -> int:
         for m in self.spec.members:
@@ -39,15 +55,20 @@ class ApiCluster(LocalCluster):
         follow: bool = True,
     ) -> tuple[int, Any]:
         """(status, JSON body); status 0 means the connection failed (the
-        request may or may not have reached the node)."""
+        request may or may not have reached the node). Every answer, the
+        307s followed included, must conform to /openapi.json."""
         nid = via or self.leader_hint or self.ids()[0]
         address = self.http(nid)
         data = json.dumps(body).encode() if body is not None else None
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         for _ in range(4):
             try:
-                r = http_request(address, method, path, data, timeout_s=timeout_s)
+                r = http_request(address, method, path, data, timeout_s=timeout_s, headers=headers)
             except HTTP_ERRORS as exc:
                 return 0, {"error": {"code": "CONNECTION", "message": repr(exc)}}
+            conf = self.conformance()
+            if conf is not None:
+                conf.check(method, path, r.status, r.headers, r.body)
             if r.status == 307 and follow:
                 address = urllib.parse.urlsplit(r.headers["location"]).netloc
                 continue

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from dledger.cluster import LocalCluster
+from dledger.config import AuthSpec
 from tests.http.apiclient import START_TIMEOUT_S, ApiCluster
 
 
@@ -20,11 +21,14 @@ def api_cluster(
     made: list[ApiCluster] = []
 
     def make(
-        voters: int = 3, learners: int = 0, settings: dict[str, object] | None = None
+        voters: int = 3,
+        learners: int = 0,
+        settings: dict[str, object] | None = None,
+        auth: AuthSpec | None = None,
     ) -> ApiCluster:
         d = tmp_path / f"cluster{len(made)}"
         LocalCluster.create(
-            d, voters=voters, learners=learners, secret="api-secret", settings=settings
+            d, voters=voters, learners=learners, secret="api-secret", settings=settings, auth=auth
         )
         c = ApiCluster(d)
         made.append(c)

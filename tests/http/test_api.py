@@ -19,6 +19,7 @@ from dledger.cluster import free_ports
 from dledger.config import NodeConfig
 from dledger.node import Node
 from http_api.server import make_node_app, make_state_machine
+from tests.http.conformance import Conformance
 
 
 @pytest.fixture
@@ -49,8 +50,22 @@ async def client(tmp_path: Path) -> AsyncIterator[TestClient[Any, Any]]:
         await node.stop()
 
 
+_CONFORMANCE: dict[int, Conformance] = {}
+
+
+async def conformance(c: TestClient[Any, Any]) -> Conformance:
+    """The server's own /openapi.json, fetched once per client."""
+    if id(c) not in _CONFORMANCE:
+        r = await c.get("/openapi.json")
+        _CONFORMANCE[id(c)] = Conformance(await r.json())
+    return _CONFORMANCE[id(c)]
+
+
 async def req(c: TestClient[Any, Any], method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    """One request; its answer must conform to /openapi.json."""
     r = await c.request(method, path, json=body)
+    raw = await r.read()
+    (await conformance(c)).check(method, path, r.status, dict(r.headers), raw)
     return r.status, await r.json()
 
 
@@ -255,23 +270,103 @@ async def test_cluster_readyz_retention_and_raft_routes_still_work(
     assert r.status == 200 and isinstance((await r.json())["result"], int)
 
 
-async def test_openapi_lists_every_route_and_metrics_count_requests(
+async def test_openapi_matches_the_router_both_ways_and_is_valid_3_1(
     client: TestClient[Any, Any],
 ) -> None:
-    await make_topic(client, "t", 1)
+    from openapi_spec_validator import validate
+
     st, doc = await req(client, "GET", "/openapi.json")
-    assert st == 200 and doc["openapi"].startswith("3.1")
+    assert st == 200 and doc["openapi"] == "3.1.0"
+    validate(doc)  # the OpenAPI 3.1 meta-schema, JSON Schema 2020-12 for the schemas
     app = client.server.app
     assert app is not None
-    for route in app.router.routes():
-        if route.method in ("HEAD", "*") or route.resource is None:
-            continue
-        path = route.resource.canonical
-        assert route.method.lower() in doc["paths"].get(path, {}), (route.method, path)
+    routes = {
+        (route.method.lower(), route.resource.canonical)
+        for route in app.router.routes()
+        if route.method not in ("HEAD", "*") and route.resource is not None
+    }
+    documented = {(m, p) for p, ops in doc["paths"].items() for m in ops}
+    assert routes == documented
+    undocumented = [
+        (m, p)
+        for p, ops in doc["paths"].items()
+        for m, op in ops.items()
+        if op.get("x-undocumented")
+    ]
+    assert not undocumented, undocumented
+    for p, ops in doc["paths"].items():
+        for m, op in ops.items():
+            ok = [s for s in op["responses"] if s.startswith("2")]
+            assert len(ok) == 1, (m, p)
+            assert op["responses"][ok[0]]["content"], (m, p)
+            if m in ("post", "put", "patch") and p != "/raft/transfer" and p != "/raft/bench":
+                assert "requestBody" in op, (m, p)
+            assert "x-required-role" in op, (m, p)
+    schemas = doc["components"]["schemas"]
+    for name in ["Message", "ProduceRequest", "ProduceResult", "ConsumeResult", "Error", "Topic"]:
+        assert name in schemas, name
+    consume = doc["paths"]["/v1/topics/{topic}/queues/{queue}/messages"]["get"]
+    bounds = {p["name"]: p["schema"] for p in consume["parameters"]}
+    assert bounds["max_messages"]["minimum"] == 1 and bounds["max_messages"]["maximum"] == 1000
+    assert bounds["wait_ms"]["maximum"] == 30_000 and bounds["queue"]["type"] == "integer"
+
+
+async def test_answers_conform_to_the_document(client: TestClient[Any, Any]) -> None:
+    """req() checks every answer; here the checker itself must catch a lie."""
+    conf = await conformance(client)
+    await make_topic(client, "t", 1)
+    _, res = await req(client, "GET", "/v1/topics/t")
+    assert conf.checked >= 2
+    with pytest.raises(AssertionError, match="not declared"):
+        conf.check("GET", "/v1/topics/t", 418, {}, b"{}")
+    with pytest.raises(AssertionError, match="does not match"):
+        conf.check("GET", "/v1/topics/t", 200, {}, {**res, "name": 5})
+    with pytest.raises(AssertionError, match="does not match"):
+        conf.check("GET", "/v1/topics/t", 404, {}, {"code": "x"})
+    with pytest.raises(AssertionError, match="Retry-After"):
+        conf.check("GET", "/v1/topics/t", 503, {}, {"error": {"code": "X", "message": ""}})
+    with pytest.raises(AssertionError, match="Location"):
+        conf.check("POST", "/v1/topics", 307, {}, b"{}")
+
+
+async def test_metrics_count_requests_fsyncs_and_elections(client: TestClient[Any, Any]) -> None:
+    def sample(text: str, name: str) -> float:
+        for line in text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"{name} not in /metrics")
+
+    text0 = await (await client.get("/metrics")).text()
+    fsyncs0 = sample(text0, "dledger_fsync_seconds_count")
+    assert sample(text0, "dledger_elections_total") >= 1  # the one-node cluster elected itself
+    assert sample(text0, "dledger_leader_changes_total") >= 1
+    await make_topic(client, "t", 1)
+    for _ in range(3):
+        st, _ = await req(
+            client, "POST", "/v1/topics/t/messages", {"messages": [{"value": "eA=="}]}
+        )
+        assert st == 200
+    await req(client, "GET", "/v1/topics/nope")
     r = await client.get("/metrics")
     text = await r.text()
-    assert r.status == 200 and "dledger_commit_index" in text
-    assert 'route="/v1/topics",status="201"' in text
+    assert r.status == 200 and r.content_type == "text/plain"
+    assert sample(text, "dledger_fsync_seconds_count") >= fsyncs0 + 4  # each write was fsynced
+    assert 'dledger_fsync_seconds_bucket{le="+Inf"}' in text
+    assert sample(text, "dledger_commit_index") >= 5
+    assert sample(text, "dledger_apply_lag") == 0
+    assert sample(text, "dledger_stored_bytes") > 0
+    route = 'method="POST",route="/v1/topics/{topic}/messages",status="200"'
+    assert f"dledger_http_requests_total{{{route}}} 3" in text
+    assert f"dledger_http_request_duration_seconds_count{{{route}}} 3" in text
+    assert f'dledger_http_request_duration_seconds_bucket{{{route},le="+Inf"}} 3' in text
+    assert 'route="/v1/topics/{topic}",status="404"' in text
+    # Histogram buckets are cumulative and end at the count.
+    buckets = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("dledger_fsync_seconds_bucket")
+    ]
+    assert buckets == sorted(buckets) and buckets[-1] == sample(text, "dledger_fsync_seconds_count")
 
 
 async def test_cluster_admin_routes(client: TestClient[Any, Any]) -> None:

@@ -96,7 +96,11 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="dledger-benchrun-"))
     ctx = Context(
-        quick=args.quick, big=args.big, out_dir=out, work_dir=work, profile=not args.no_profile
+        quick=args.quick,
+        big=args.big,
+        out_dir=out,
+        work_dir=work,
+        profile=args.profile if args.profile is not None else not args.quick,
     )
     load_before = list(os.getloadavg())
     ctx.log(
@@ -187,7 +191,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --only: do not add the peer baseline the selected benchmarks compare with",
     )
-    r.add_argument("--no-profile", action="store_true", help="skip the leader cProfile runs")
+    r.add_argument(
+        "--profile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="cProfile the leader under HTTP produce load (default: on in full runs, "
+        "off with --quick)",
+    )
     sub.add_parser("list", help="list the benchmarks")
     args = ap.parse_args(argv)
     if args.cmd == "list":

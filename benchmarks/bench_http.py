@@ -20,8 +20,8 @@ from benchmarks.registry import BenchResult, Context, Figure, Series, benchmark
 
 SHAPES: dict[str, dict[str, int]] = {
     # msgs per request, closed-loop concurrency, open-loop connection pool
-    "batched": {"msgs": 100, "concurrency": 8, "connections": 64},
-    "single": {"msgs": 1, "concurrency": 64, "connections": 256},
+    "batched": {"msgs": 100, "concurrency": 8, "connections": 16},
+    "single": {"msgs": 1, "concurrency": 64, "connections": 64},
 }
 PAYLOAD = 100
 
@@ -174,12 +174,12 @@ def run_http_produce(ctx: Context) -> BenchResult:
                         )
                     )
 
-                target = 1 if leader != 1 else 2
                 prof[shape] = profile_leader(
-                    lc, target, ctx.out_dir / "profiles" / f"http_produce_{shape}.prof", load
+                    ctx,
+                    ctx.out_dir / "profiles" / f"http_produce_{shape}.prof",
+                    load,
+                    settings={"flush": "sync", "map_size_bytes": 4 << 30},
                 )
-                lc.start(target)
-                lc.wait_leader(30)
             res.raw["profiles"] = prof
     res.notes.append(
         "The load generator (aiohttp, one process) shares the machine's cores with the "

@@ -1,11 +1,12 @@
 """A cProfile profile of a leader under load.
 
 py-spy cannot read this interpreter's version from a running process here,
-so the node is restarted under ``python -m cProfile`` instead: the member is
-stopped (SIGTERM), started again by PID under cProfile with the same cluster
-file and id, made leader by a leadership transfer, loaded for a while, then
-stopped with SIGTERM (the node exits through its normal shutdown path, so
-cProfile writes its statistics). Only the event-loop thread is profiled,
+so a node runs under ``python -m cProfile`` instead: in a fresh cluster,
+member 1 is started by PID under cProfile (the others normally), made
+leader by a leadership transfer, loaded for a while, then stopped with
+SIGTERM (the node exits through its normal shutdown path, so cProfile
+writes its statistics). A fresh cluster keeps the replay of an existing
+log out of the profile. Only the event-loop thread is profiled,
 which is where a node's CPU goes (fsyncs run in a worker thread).
 """
 
@@ -23,7 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import wait_caught_up
+from benchmarks.common import QUEUES, TOPIC, create_topic
+from benchmarks.registry import Context
 from dledger.cluster import HTTP_ERRORS, LocalCluster, http_request
 
 
@@ -53,16 +55,21 @@ def _make_leader(lc: LocalCluster, node_id: int, timeout_s: float = 30) -> None:
 
 
 def profile_leader(
-    lc: LocalCluster,
-    node_id: int,
+    ctx: Context,
     out_prof: Path,
     load: Callable[[str], Any],
+    *,
+    voters: int = 3,
+    settings: dict[str, object] | None = None,
     top: int = 25,
 ) -> dict[str, Any]:
-    """Restart ``node_id`` under cProfile, make it leader, run ``load(addr)``
-    (blocking), stop it, and return the top functions by own and total time.
-    The member is left stopped; the caller tears the cluster down."""
-    lc.stop(node_id)
+    """A fresh cluster whose member 1 runs under cProfile from its start
+    (so no log replay is in the profile); member 1 is made leader, loaded
+    with ``load(http_address)`` (blocking), then stopped with SIGTERM.
+    Returns the top functions by own and by cumulative time."""
+    lc = LocalCluster.create(
+        ctx.work_dir / f"profile-{out_prof.stem}", voters=voters, settings=settings
+    )
     out_prof.parent.mkdir(parents=True, exist_ok=True)
     argv = [
         sys.executable,
@@ -76,31 +83,35 @@ def profile_leader(
         "--cluster",
         str(lc.cluster_path),
         "--id",
-        str(node_id),
+        "1",
     ]
-    with open(lc.log_path(node_id), "ab") as log:
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )
+    proc: subprocess.Popen[bytes] | None = None
     try:
-        addr = lc.http(node_id)
+        lc.start_all([nid for nid in lc.ids() if nid != 1])
+        with open(lc.log_path(1), "ab") as log:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            )
+        addr = lc.http(1)
         _wait_http(addr, 30)
-        wait_caught_up(lc, 60, ids=[node_id])
-        _make_leader(lc, node_id)
+        lc.wait_leader(30)
+        _make_leader(lc, 1)
+        create_topic(addr, TOPIC, QUEUES)
         load(addr)
     finally:
-        if proc.poll() is None:
+        if proc is not None and proc.poll() is None:
             os.kill(proc.pid, signal.SIGTERM)
             try:
-                proc.wait(timeout=30)
+                proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
+        lc.down()
     if not out_prof.exists():
         return {"error": "cProfile wrote no statistics"}
     return summarize_profile(out_prof, top)

@@ -87,6 +87,19 @@ def run_http_produce(ctx: Context) -> BenchResult:
                         )
                     )
                     p["fraction"] = f
+                    # A leader change during the point (e.g. a snapshot built on
+                    # the event loop outlasting the election timeout) turns the
+                    # rest into 307s: record it and aim the next point at the
+                    # new leader.
+                    now_leader = lc.wait_leader(30)
+                    p["leader"], p["leader_after"] = leader, now_leader
+                    if now_leader != leader:
+                        res.notes.append(
+                            f"{shape}: leadership moved {leader} -> {now_leader} during the "
+                            f"open-loop point at {f:.2f} x saturation (errors {p['errors']})"
+                        )
+                        leader = now_leader
+                        url = produce_url(lc.http(leader))
                     points.append(p)
                     ctx.log(
                         f"  open loop {f:.2f} x saturation = {rate * msgs:,.0f} msg/s offered: "

@@ -75,10 +75,11 @@ def run_dledger(
             for k in range(repeats):
                 r = _bench(lc, leader, f"n={ops}&size={size}&window={window}", 600)
                 runs.append(r)
+                lat = r["latency_ms"]  # null (NaN) when nothing committed
                 progress(
                     f"  repeat {k + 1}/{repeats}: {r['ops_per_s']:,.0f} ops/s, "
-                    f"p50 {r['latency_ms']['p50']:.2f} ms, p99 {r['latency_ms']['p99']:.2f} ms, "
-                    f"errors {r['errors']}"
+                    f"p50 {lat['p50'] or float('nan'):.2f} ms, "
+                    f"p99 {lat['p99'] or float('nan'):.2f} ms, errors {r['errors']}"
                 )
             wall = time.monotonic() - t0
             cpu = {i: ((cpu_ticks(lc.pid(i) or 0) or 0) - cpu0[i]) / 100.0 / wall for i in lc.ids()}
@@ -88,8 +89,8 @@ def run_dledger(
             progress(f"  open-loop load at half the peak: {rate:,.0f}/s for {n_half} entries")
             half = _bench(lc, leader, f"n={n_half}&size={size}&rate={rate}", 600)
             progress(
-                f"  half-peak: p50 {half['latency_ms']['p50']:.2f} ms, "
-                f"p99 {half['latency_ms']['p99']:.2f} ms"
+                f"  half-peak: p50 {half['latency_ms']['p50'] or float('nan'):.2f} ms, "
+                f"p99 {half['latency_ms']['p99'] or float('nan'):.2f} ms, errors {half['errors']}"
             )
             return {
                 "system": "dledger-py",

@@ -20,6 +20,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,9 @@ def run_dledger(
     window: int,
     repeats: int,
     snapshot_every: int = 50_000,
+    half_peak_s: float = 5.0,
+    map_size_bytes: int = 2 << 30,
+    progress: Callable[[str], None] = _log,
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="dledger-bench-") as tmp:
         lc = LocalCluster.create(
@@ -57,12 +61,13 @@ def run_dledger(
                 "flush": flush,
                 "state_machine": "log",
                 "snapshot_every_entries": snapshot_every,
+                "map_size_bytes": map_size_bytes,
             },
         )
         try:
             lc.start_all()
             leader = lc.wait_leader(timeout_s=60)
-            _log(f"dledger {voters} voters flush={flush}: leader is node {leader}; warming up")
+            progress(f"dledger {voters} voters flush={flush}: leader is node {leader}; warming up")
             _bench(lc, leader, f"n={min(ops, 2000)}&size={size}&window={window}", 300)
             runs = []
             cpu0 = {i: cpu_ticks(lc.pid(i) or 0) or 0 for i in lc.ids()}
@@ -70,21 +75,22 @@ def run_dledger(
             for k in range(repeats):
                 r = _bench(lc, leader, f"n={ops}&size={size}&window={window}", 600)
                 runs.append(r)
-                _log(
+                lat = r["latency_ms"]  # null (NaN) when nothing committed
+                progress(
                     f"  repeat {k + 1}/{repeats}: {r['ops_per_s']:,.0f} ops/s, "
-                    f"p50 {r['latency_ms']['p50']:.2f} ms, p99 {r['latency_ms']['p99']:.2f} ms, "
-                    f"errors {r['errors']}"
+                    f"p50 {lat['p50'] or float('nan'):.2f} ms, "
+                    f"p99 {lat['p99'] or float('nan'):.2f} ms, errors {r['errors']}"
                 )
             wall = time.monotonic() - t0
             cpu = {i: ((cpu_ticks(lc.pid(i) or 0) or 0) - cpu0[i]) / 100.0 / wall for i in lc.ids()}
             peak = median_min_max([r["ops_per_s"] for r in runs])["median"]
             rate = max(peak / 2, 1.0)
-            n_half = int(rate * 5)  # five seconds of open-loop load
-            _log(f"  open-loop load at half the peak: {rate:,.0f}/s for {n_half} entries")
+            n_half = max(1, int(rate * half_peak_s))  # open-loop load for half_peak_s
+            progress(f"  open-loop load at half the peak: {rate:,.0f}/s for {n_half} entries")
             half = _bench(lc, leader, f"n={n_half}&size={size}&rate={rate}", 600)
-            _log(
-                f"  half-peak: p50 {half['latency_ms']['p50']:.2f} ms, "
-                f"p99 {half['latency_ms']['p99']:.2f} ms"
+            progress(
+                f"  half-peak: p50 {half['latency_ms']['p50'] or float('nan'):.2f} ms, "
+                f"p99 {half['latency_ms']['p99'] or float('nan'):.2f} ms, errors {half['errors']}"
             )
             return {
                 "system": "dledger-py",

@@ -53,7 +53,17 @@ class _Run:
         try:
             fut = self.node.submit(data)
         except DLedgerError as exc:
-            self._finish(exc)
+            # Refused at once (not the leader, overloaded...): the rest would
+            # be refused the same way. Count them all as refused here rather
+            # than through _finish -> on_finish -> submit_next, which recursed
+            # once per remaining proposal (RecursionError on a lost leadership).
+            remaining = self.n - i
+            self.next = self.n
+            name = type(exc).__name__
+            self.errors[name] = self.errors.get(name, 0) + remaining
+            self.finished += remaining
+            if self.finished >= self.n and not self.done.done():
+                self.done.set_result(None)
             return
         self.in_flight += 1
         fut.add_done_callback(functools.partial(self._completed, since))

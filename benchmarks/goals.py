@@ -1,0 +1,163 @@
+"""The issue's goals, evaluated on the figures of one run.
+
+Each goal is a ratio or a bound measured in the same run; a goal whose
+figures were not measured (``--only``, or 10M messages without ``--big``)
+is reported with ``met: None`` and says why.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from benchmarks.bench_core import peer_key
+from benchmarks.registry import Figure
+
+
+def _goal(
+    goal: str, target: str, value: float | None, unit: str, met: bool | None, detail: str
+) -> dict[str, Any]:
+    if value is not None and not math.isfinite(value):
+        value, met = None, None
+    return {
+        "goal": goal,
+        "target": target,
+        "value": value,
+        "unit": unit,
+        "met": met,
+        "detail": detail,
+    }
+
+
+def _ratio(figs: dict[str, Figure], ours: str, peer: str) -> tuple[float | None, str]:
+    a, b = figs.get(ours), figs.get(peer)
+    if a is None or b is None or not b.median:
+        return None, f"not measured in this run ({ours if a is None else peer} missing)"
+    r = a.median / b.median
+    lo = a.min / b.max if b.max else float("nan")
+    hi = a.max / b.min if b.min else float("nan")
+    return r, (
+        f"{a.median:,.0f} {a.unit} vs peer {b.median:,.0f} {b.unit} "
+        f"(ratio range over repeats {lo:.2f}-{hi:.2f})"
+    )
+
+
+def evaluate(figs: dict[str, Figure]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    r, d = _ratio(figs, "http_produce.batched.msg_per_s", peer_key(3, 100, "pipelined"))
+    out.append(
+        _goal(
+            "batched HTTP produce (100 x 100 B), 3 voters sync vs PySyncObj pipelined",
+            ">= 3x",
+            r,
+            "x",
+            None if r is None else r >= 3.0,
+            d,
+        )
+    )
+    r, d = _ratio(figs, "http_produce.single.msg_per_s", peer_key(3, 100, "best_sync"))
+    out.append(
+        _goal(
+            "one message per request vs PySyncObj synchronous one-at-a-time",
+            ">= 1.5x",
+            r,
+            "x",
+            None if r is None else r >= 1.5,
+            d,
+        )
+    )
+    for shape in ("batched", "single"):
+        f = figs.get(f"http_produce.{shape}.half_sat_p99_ms")
+        v = f.median if f else None
+        out.append(
+            _goal(
+                f"p99 produce latency at half saturation ({shape})",
+                "< 10 ms",
+                v,
+                "ms",
+                None if v is None else v < 10.0,
+                "open loop, latency from the intended send time"
+                + (f"; repeats {f.min:.1f}-{f.max:.1f} ms" if f else "; not measured"),
+            )
+        )
+    med = figs.get("failover.SIGKILL.rto_median_s")
+    p99 = figs.get("failover.SIGKILL.rto_p99_s")
+    out.append(
+        _goal(
+            "leader SIGKILL: median RTO",
+            "< 1 s",
+            med.median if med else None,
+            "s",
+            None if med is None else med.median < 1.0,
+            f"{med.config.get('trials')} trials" if med else "not measured",
+        )
+    )
+    out.append(
+        _goal(
+            "leader SIGKILL: p99 RTO",
+            "< 2 s",
+            p99.median if p99 else None,
+            "s",
+            None if p99 is None else p99.median < 2.0,
+            f"{p99.config.get('trials')} trials (p99 of 20 is close to the max)" if p99 else "",
+        )
+    )
+    for pct in ("p50", "p99"):
+        lease = figs.get(f"reads.lease.{pct}_ms")
+        comm = figs.get(f"reads.committed.{pct}_ms")
+        v = lease.median / comm.median if lease and comm and comm.median else None
+        out.append(
+            _goal(
+                f"lease read vs committed local read latency ({pct}, /raft/read)",
+                "<= 1.2x",
+                v,
+                "x",
+                None if v is None else v <= 1.2,
+                f"{lease.median:.3f} ms vs {comm.median:.3f} ms" if lease and comm else "",
+            )
+        )
+    lease = figs.get("reads.v1_lease.p50_ms")
+    comm = figs.get("reads.v1_committed.p50_ms")
+    v = lease.median / comm.median if lease and comm and comm.median else None
+    out.append(
+        _goal(
+            "lease read vs committed read latency (p50, GET /v1 one message)",
+            "<= 1.2x",
+            v,
+            "x",
+            None if v is None else v <= 1.2,
+            f"{lease.median:.3f} ms vs {comm.median:.3f} ms" if lease and comm else "",
+        )
+    )
+    out.append(_memory_goal(figs))
+    return out
+
+
+def _memory_goal(figs: dict[str, Figure]) -> dict[str, Any]:
+    goal = "per-node RSS flat from 1M to 10M stored messages"
+    a = figs.get("cost_growth.1000000.rss_mb")
+    b = figs.get("cost_growth.10000000.rss_mb")
+    if a and b:
+        g = b.median - a.median
+        return _goal(
+            goal, "< 50 MB growth", g, "MB", g < 50, f"{a.median:,.0f} -> {b.median:,.0f} MB"
+        )
+    pts = sorted(
+        (int(k.split(".")[1]), f.median)
+        for k, f in figs.items()
+        if k.startswith("cost_growth.") and k.endswith(".rss_mb") and k.split(".")[1].isdigit()
+    )
+    if len(pts) >= 2:
+        (m0, r0), (m1, r1) = pts[0], pts[-1]
+        slope = (r1 - r0) / (m1 - m0) if m1 > m0 else 0.0
+        proj = slope * 9_000_000
+        return _goal(
+            goal,
+            "< 50 MB growth",
+            proj,
+            "MB (projected)",
+            None,
+            f"10M needs --big; RSS grew {r0:,.0f} -> {r1:,.0f} MB from {m0:,} to {m1:,} "
+            f"messages ({slope * 1e6:,.0f} MB per million): projected {proj:,.0f} MB for 1M->10M",
+        )
+    return _goal(goal, "< 50 MB growth", None, "MB", None, "not measured")

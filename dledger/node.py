@@ -121,6 +121,8 @@ _STOP_TIMEOUT_S = 10.0
 # Log entries deleted per compaction step (one small write transaction each,
 # between Readies), so compacting behind a snapshot never stalls the loop.
 _COMPACT_STEP = 4096
+# Queued operations (proposals, reads, admin) taken into the core per pass.
+_OPS_PER_PASS = 1024
 
 
 class OutcomeUnknown(DLedgerError):
@@ -806,8 +808,12 @@ class Node:
         inbox = self._inbox
         while inbox:
             r.step(inbox.popleft())
+        # Bounded work per pass: a burst of queued proposals becomes several
+        # Readies of at most _OPS_PER_PASS each, with ticks and peer messages
+        # handled between them, instead of one huge Ready that stalls the loop
+        # past an election timeout (seen with 5000 x 1 KiB in flight, 5 voters).
         ops = self._ops
-        while ops:
+        for _ in range(min(len(ops), _OPS_PER_PASS)):
             ops.popleft()[1]()
 
     async def _persist(self, rd: Ready) -> None:

@@ -196,9 +196,9 @@ def resolve(
     return out
 
 
-def prorate(start: Mapping[QueueKey, int], end: Mapping[QueueKey, int], limit: int) -> dict[
-    QueueKey, int
-]:
+def prorate(
+    start: Mapping[QueueKey, int], end: Mapping[QueueKey, int], limit: int
+) -> dict[QueueKey, int]:
     """``end`` cut so that at most ``limit`` offsets lie between ``start``
     and it, split over the queues in proportion to their backlog; the
     leftover of the integer split goes to the largest remainders (ties: the
@@ -235,7 +235,8 @@ def plan_ranges(
         pieces = max(1, min(size, -(-size * min_partitions // total)))
         step = -(-size // pieces)
         out.extend(
-            QueueRange(r.topic, r.queue, s, min(s + step, r.end)) for s in range(r.start, r.end, step)
+            QueueRange(r.topic, r.queue, s, min(s + step, r.end))
+            for s in range(r.start, r.end, step)
         )
     return out
 

@@ -67,9 +67,7 @@ def test_starting_and_ending_offsets_as_in_kafka(spark: SparkSession, cluster: A
         p.send("ranges", [f"q{q}-{i}" for i in range(20)], queue=q)
     start = json.dumps({"ranges": {"0": 5, "1": -2}})
     end = json.dumps({"ranges": {"0": 12}})  # queue 1 left out: latest
-    rows = _reader(
-        spark, cluster, "ranges", startingOffsets=start, endingOffsets=end
-    ).collect()
+    rows = _reader(spark, cluster, "ranges", startingOffsets=start, endingOffsets=end).collect()
     got = sorted((r.queue, r.queue_offset, r.value.decode()) for r in rows)
     want = [(0, i, f"q0-{i}") for i in range(5, 12)] + [(1, i, f"q1-{i}") for i in range(20)]
     assert got == want

@@ -125,7 +125,9 @@ def test_exactly_once_across_restart_and_leader_kill(
 
     def start() -> Any:
         return (
-            _stream(spark, cluster, "events", startingOffsets="earliest", maxOffsetsPerTrigger="150")
+            _stream(
+                spark, cluster, "events", startingOffsets="earliest", maxOffsetsPerTrigger="150"
+            )
             .writeStream.format("parquet")
             .option("path", str(out))
             .option("checkpointLocation", str(ck))
@@ -160,7 +162,12 @@ def test_exactly_once_across_restart_and_leader_kill(
         assert q.exception() is None
     finally:
         q.stop()
-    rows = spark.read.schema(SCHEMA).parquet(str(out)).select("topic", "queue", "queue_offset", "value").collect()
+    rows = (
+        spark.read.schema(SCHEMA)
+        .parquet(str(out))
+        .select("topic", "queue", "queue_offset", "value")
+        .collect()
+    )
     keys = [(r.topic, r.queue, r.queue_offset) for r in rows]
     assert len(keys) == len(set(keys)), "a message reached the sink twice"
     assert set(keys) == {("events", a.queue, a.queue_offset) for a in acks}, "missing messages"

@@ -135,7 +135,7 @@ def write_report(spark: SparkSession, a: Analysis, out: str) -> None:
     shown = runs[:MAX_TIMELINE_RUNS]
     if shown:
         tl: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
-        for r in (
+        for row in (
             t["timeline"]
             .filter(t["timeline"]["run"].isin(shown))
             .groupBy("run", "t_ms")
@@ -143,7 +143,9 @@ def write_report(spark: SparkSession, a: Analysis, out: str) -> None:
             .orderBy("run", "t_ms")
             .collect()
         ):
-            tl[r["run"]].append((r["t_ms"], r["sum(ok)"], r["sum(fail)"] + r["sum(info)"]))
+            tl[row["run"]].append(
+                (row["t_ms"], row["sum(ok)"], row["sum(fail)"] + row["sum(info)"])
+            )
         t0s = {
             r["run"]: r["t0"]
             for r in a.ops.filter(a.ops["f"] != "final_read")
@@ -202,6 +204,6 @@ def write_report(spark: SparkSession, a: Analysis, out: str) -> None:
         "img{max-width:100%}</style></head><body>"
         f"<h1>Harness analysis: {len(runs)} runs</h1>" + "".join(sections) + "</body></html>"
     )
-    for name, data in images.items():
-        write_bytes(spark, f"{out}/{name}", data)
+    for name, png in images.items():
+        write_bytes(spark, f"{out}/{name}", png)
     write_bytes(spark, f"{out}/index.html", page.encode("utf-8"))

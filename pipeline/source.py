@@ -112,7 +112,7 @@ SCHEMA = StructType(
 ARROW_SCHEMA = to_arrow_schema(SCHEMA, timezone="UTC")
 
 
-class RangePartition(InputPartition):  # type: ignore[misc]
+class RangePartition(InputPartition):
     """One queue's offsets ``[start, end)``."""
 
     def __init__(self, topic: str, queue: int, start: int, end: int) -> None:
@@ -288,7 +288,7 @@ def read_partition(opts: SourceOptions, p: RangePartition) -> Iterator[pa.Record
 # ----------------------------------------------------------------------------- Spark API
 
 
-class DLedgerDataSource(DataSource):  # type: ignore[misc]
+class DLedgerDataSource(DataSource):
     """``spark.read.format("dledger")`` / ``spark.readStream.format("dledger")``;
     options in :mod:`pipeline.options`."""
 
@@ -306,7 +306,7 @@ class DLedgerDataSource(DataSource):  # type: ignore[misc]
         return DLedgerStreamReader(SourceOptions.parse(self.options, streaming=True))
 
 
-class DLedgerBatchReader(DataSourceReader):  # type: ignore[misc]
+class DLedgerBatchReader(DataSourceReader):
     def __init__(self, opts: SourceOptions) -> None:
         self.opts = opts
 
@@ -324,11 +324,12 @@ class DLedgerBatchReader(DataSourceReader):  # type: ignore[misc]
                 )
         return _partitions(plan_ranges(start, end, self.opts.min_partitions))
 
-    def read(self, partition: RangePartition) -> Iterator[pa.RecordBatch]:
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, RangePartition)
         return read_partition(self.opts, partition)
 
 
-class DLedgerStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # type: ignore[misc]
+class DLedgerStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, opts: SourceOptions) -> None:
         self.opts = opts
         # Trigger.AvailableNow: the latest offsets when the query began (in memory
@@ -378,7 +379,8 @@ class DLedgerStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow): 
     ) -> list[RangePartition]:
         return _partitions(plan_ranges(offsets_from_json(start), offsets_from_json(end)))
 
-    def read(self, partition: RangePartition) -> Iterator[pa.RecordBatch]:
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, RangePartition)
         return read_partition(self.opts, partition)
 
     def commit(self, end: dict[str, dict[str, int]]) -> None:

@@ -26,7 +26,7 @@ so Spark may run it on any executor.
 
 from __future__ import annotations
 
-import base64
+import binascii
 import http.client
 import logging
 import time
@@ -280,5 +280,5 @@ def _data_loss(where: str, cur: int, upto: int, why: str, fail: bool) -> int:
 def decode_value(m: dict[str, Any]) -> bytes:
     v: str = m["value"]
     if m.get("encoding", "base64") == "base64":
-        return base64.b64decode(v)
+        return binascii.a2b_base64(v)
     return v.encode("utf-8")

@@ -37,8 +37,10 @@ and offset ranges.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pyarrow as pa
@@ -126,38 +128,49 @@ class RangePartition(InputPartition):
 # ----------------------------------------------------------------------------- planning
 
 
+DESCRIBE_TIMEOUT_S = 3.0
+
+
+def _describe_one(opts: SourceOptions, ep: str, topic: str) -> list[QueueInfo] | str | None:
+    """One endpoint's answer: its queues, None (unknown topic) or "down"."""
+    timeout = min(opts.request_timeout_s, DESCRIBE_TIMEOUT_S)
+    with NodeClient((ep,), timeout, retry_for_s=0) as c:
+        try:
+            return c.describe(topic)
+        except UnknownTopicError:
+            return None
+        except SourceUnavailableError:
+            return "down"
+
+
 def describe_all(opts: SourceOptions, topic: str) -> list[QueueInfo] | None:
     """The topic's queues as the most advanced replica sees them (see the
-    module doc); None when no replica knows the topic."""
-    merged: dict[int, QueueInfo] = {}
-    answered = False
-    for ep in opts.endpoints:
-        with NodeClient((ep,), opts.request_timeout_s, retry_for_s=0) as c:
-            try:
-                infos = c.describe(topic)
-            except UnknownTopicError:
-                answered = True
-                continue
-            except SourceUnavailableError:
-                continue
-        answered = True
-        for qi in infos:
-            old = merged.get(qi.queue)
-            if old is None:
-                merged[qi.queue] = qi
-            else:
-                merged[qi.queue] = QueueInfo(
-                    qi.queue,
-                    max(old.min_offset, qi.min_offset),
-                    max(old.max_offset, qi.max_offset),
-                )
-    if not answered:
+    module doc); None when no replica knows the topic. The endpoints are
+    asked at once, so a paused node costs one short timeout, not one each."""
+    with ThreadPoolExecutor(len(opts.endpoints)) as pool:
+        answers = list(pool.map(lambda ep: _describe_one(opts, ep, topic), opts.endpoints))
+    if all(a == "down" for a in answers):
         # nobody answered at once: wait for any endpoint, up to retryForMs
         with NodeClient(opts.endpoints, opts.request_timeout_s, opts.retry_for_s) as c:
             try:
                 return c.describe(topic)
             except UnknownTopicError:
                 return None
+    merged: dict[int, QueueInfo] = {}
+    for infos in answers:
+        if not isinstance(infos, list):
+            continue
+        for qi in infos:
+            old = merged.get(qi.queue)
+            merged[qi.queue] = (
+                qi
+                if old is None
+                else QueueInfo(
+                    qi.queue,
+                    max(old.min_offset, qi.min_offset),
+                    max(old.max_offset, qi.max_offset),
+                )
+            )
     return [merged[q] for q in sorted(merged)] if merged else None
 
 
@@ -233,11 +246,8 @@ def plan_ranges(
     for r in ranges:
         size = r.end - r.start
         pieces = max(1, min(size, -(-size * min_partitions // total)))
-        step = -(-size // pieces)
-        out.extend(
-            QueueRange(r.topic, r.queue, s, min(s + step, r.end))
-            for s in range(r.start, r.end, step)
-        )
+        cuts = [r.start + size * i // pieces for i in range(pieces + 1)]
+        out.extend(QueueRange(r.topic, r.queue, lo, hi) for lo, hi in itertools.pairwise(cuts))
     return out
 
 

@@ -1,0 +1,135 @@
+"""Read throughput of the ``dledger`` batch source: messages per second into a
+DataFrame, on a local 3-node cluster started for the purpose.
+
+    .venv/bin/python -m pipeline.bench [--messages 200000] [--payload 100] [--queues 4]
+                                       [--master local[*]] [--repeats 3] [--endpoints H:P,...]
+
+It produces the messages over HTTP (batches of 1000, one queue per batch),
+then times, ``--repeats`` times each: ``df.count()`` (every message is
+fetched, decoded and turned into Arrow: the Python source has no count
+pushdown) and ``df.select("value").collect()`` (the values brought back to
+the driver as well). Prints one JSON document; a measurement, never a test.
+With ``--endpoints`` it uses a running cluster instead of starting one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from http_api.client import Client, OutMessage
+
+
+def _produce(eps: list[str], topic: str, n: int, payload: int, queues: int) -> float:
+    c = Client(eps, timeout_s=30)
+    c.create_topic(topic, queues)
+    body = b"x" * max(0, payload - 8)
+    t0 = time.perf_counter()
+    for lo in range(0, n, 1000):
+        q = (lo // 1000) % queues
+        c.produce(
+            topic,
+            [OutMessage(body + b"%08d" % i, queue=q) for i in range(lo, min(n, lo + 1000))],
+        )
+    return time.perf_counter() - t0
+
+
+def run(
+    eps: list[str],
+    messages: int,
+    payload: int,
+    queues: int,
+    master: str,
+    repeats: int,
+    min_partitions: int | None,
+) -> dict[str, Any]:
+    from pipeline.session import build_session
+
+    topic = f"bench-{int(time.time())}"
+    produce_s = _produce(eps, topic, messages, payload, queues)
+    spark = build_session(master, "dledger-bench")
+    spark.sparkContext.setLogLevel("ERROR")
+    try:
+        reader = (
+            spark.read.format("dledger").option("endpoints", ",".join(eps)).option("topic", topic)
+        )
+        if min_partitions:
+            reader = reader.option("minPartitions", str(min_partitions))
+        # warm-up: Python workers started, JIT warm
+        assert reader.load().count() == messages
+        counts, collects = [], []
+        for _ in range(repeats):
+            df = reader.load()
+            t0 = time.perf_counter()
+            n = df.count()
+            counts.append(time.perf_counter() - t0)
+            assert n == messages, n
+            t0 = time.perf_counter()
+            vals = df.select("value").collect()
+            collects.append(time.perf_counter() - t0)
+            assert len(vals) == messages
+        partitions = reader.load().rdd.getNumPartitions()
+        cores = spark.sparkContext.defaultParallelism
+    finally:
+        spark.stop()
+
+    def rate(ts: list[float]) -> dict[str, float]:
+        return {
+            "median_msgs_per_s": round(messages / statistics.median(ts)),
+            "best_msgs_per_s": round(messages / min(ts)),
+            "median_s": round(statistics.median(ts), 3),
+        }
+
+    return {
+        "messages": messages,
+        "payload_bytes": payload,
+        "queues": queues,
+        "input_partitions": partitions,
+        "master": master,
+        "default_parallelism": cores,
+        "produce_msgs_per_s": round(messages / produce_s),
+        "count": rate(counts),
+        "collect_values": rate(collects),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipeline.bench", description=__doc__)
+    ap.add_argument("--messages", type=int, default=200_000)
+    ap.add_argument("--payload", type=int, default=100)
+    ap.add_argument("--queues", type=int, default=4)
+    ap.add_argument("--master", default="local[*]")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--min-partitions", type=int, default=None)
+    ap.add_argument("--endpoints", default=None, help="use this running cluster")
+    a = ap.parse_args(argv)
+    if a.endpoints:
+        eps = a.endpoints.split(",")
+        res = run(eps, a.messages, a.payload, a.queues, a.master, a.repeats, a.min_partitions)
+    else:
+        from dledger.cluster import LocalCluster
+
+        with tempfile.TemporaryDirectory(prefix="dledger-bench-") as d:
+            lc = LocalCluster.create(Path(d) / "cluster", voters=3, secret="bench")
+            lc.start_all()
+            try:
+                lc.wait_leader(60)
+                eps = [lc.http(i) for i in lc.ids()]
+                res = run(
+                    eps, a.messages, a.payload, a.queues, a.master, a.repeats, a.min_partitions
+                )
+            finally:
+                lc.down(timeout_s=10)
+    print(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Offset planning of the dledger source, without a cluster: the read-limit
+split, the range split, the offset JSON and the option parser."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pipeline.options import (
+    OptionError,
+    SourceOptions,
+    offsets_from_json,
+    offsets_to_json,
+)
+from pipeline.source import plan_ranges, prorate
+
+pytestmark = pytest.mark.spark
+
+queues = st.dictionaries(
+    st.tuples(st.sampled_from(["a", "b"]), st.integers(0, 7)),
+    st.tuples(st.integers(0, 1000), st.integers(0, 1000)),
+    max_size=10,
+)
+
+
+@given(queues, st.integers(1, 3000))
+def test_prorate_bounds_a_batch_and_always_progresses(
+    q: dict[tuple[str, int], tuple[int, int]], limit: int
+) -> None:
+    start = {k: s for k, (s, _) in q.items()}
+    latest = {k: s + n for k, (s, n) in q.items()}
+    end = prorate(start, latest, limit)
+    assert set(end) == set(latest)
+    assert all(start[k] <= end[k] <= latest[k] for k in end)
+    backlog = sum(latest[k] - start[k] for k in latest)
+    took = sum(end[k] - start[k] for k in end)
+    assert took == min(limit, backlog)
+
+
+def test_prorate_splits_by_backlog() -> None:
+    start = {("t", 0): 0, ("t", 1): 100, ("t", 2): 5}
+    latest = {("t", 0): 300, ("t", 1): 200, ("t", 2): 5}
+    assert prorate(start, latest, 40) == {("t", 0): 30, ("t", 1): 110, ("t", 2): 5}
+    # a queue that is new since `start` counts from offset 0
+    assert prorate({}, {("t", 0): 10, ("t", 1): 30}, 8) == {("t", 0): 2, ("t", 1): 6}
+
+
+@given(queues, st.integers(1, 12))
+def test_plan_ranges_cover_exactly_the_offsets(
+    q: dict[tuple[str, int], tuple[int, int]], min_partitions: int
+) -> None:
+    start = {k: s for k, (s, _) in q.items()}
+    end = {k: s + n for k, (s, n) in q.items()}
+    ranges = plan_ranges(start, end, min_partitions)
+    covered = sorted((r.topic, r.queue, o) for r in ranges for o in range(r.start, r.end))
+    want = sorted((t, qq, o) for (t, qq), e in end.items() for o in range(start[(t, qq)], e))
+    assert covered == want  # no gap, no overlap
+    assert all(r.end > r.start for r in ranges)
+    total = len(want)
+    assert len(ranges) >= min(min_partitions, total)
+
+
+def test_offsets_json_round_trip_and_fixed_order() -> None:
+    offs = {("b", 10): 3, ("a", 2): 1, ("b", 2): 7}
+    doc = offsets_to_json(offs)
+    assert list(doc) == ["a", "b"] and list(doc["b"]) == ["2", "10"]
+    assert offsets_from_json(doc) == offs
+
+
+def test_option_parsing() -> None:
+    o = SourceOptions.parse(
+        {
+            "endpoints": "127.0.0.1:1, h:2",
+            "subscribe": "x,y,x",
+            "startingOffsets": '{"x": {"0": -2, "3": 17}}',
+            "maxOffsetsPerTrigger": "5",
+        },
+        streaming=True,
+    )
+    assert o.endpoints == ("127.0.0.1:1", "h:2")
+    assert o.topics == ("x", "y")
+    assert o.starting == {"x": {0: -2, 3: 17}}
+    assert o.max_offsets_per_trigger == 5 and o.fail_on_data_loss
+    batch = SourceOptions.parse({"endpoints": "h:1", "topic": "x"}, streaming=False)
+    assert (batch.starting, batch.ending) == ("earliest", "latest")
+    for bad, streaming in [
+        ({"topic": "x"}, False),
+        ({"endpoints": "nohost", "topic": "x"}, False),
+        ({"endpoints": "h:1"}, False),
+        ({"endpoints": "h:1", "topic": "x", "subscribe": "y"}, False),
+        ({"endpoints": "h:1", "topic": "x", "endingOffsets": "latest"}, True),
+        ({"endpoints": "h:1", "topic": "x", "startingOffsets": '{"x": {"0": -3}}'}, True),
+        ({"endpoints": "h:1", "topic": "x", "startingOffsets": '{"x": {"q": 1}}'}, True),
+        ({"endpoints": "h:1", "topic": "x", "maxOffsetsPerTrigger": "0"}, True),
+    ]:
+        with pytest.raises(OptionError):
+            SourceOptions.parse(bad, streaming=streaming)

@@ -4,5 +4,6 @@
 # and stop everything again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+# The demo needs no Spark or benchmark extras; the test command installs those.
+DLEDGER_EXTRAS=${DLEDGER_EXTRAS:-dev} bash scripts/setup.sh
 .venv/bin/python -m dledger.demo "$@"

@@ -413,6 +413,7 @@ class SendWindow:
             # The receiver lost its assembly (restarted): go back to what it has.
             self.acked = n
             self._rewind(n)
+            self.rewinds += 1
             self._last_progress = now
             self._rewound_at = n
         elif ack.gap and self._rewound_at != n and (self.sent > n or self.final_out):

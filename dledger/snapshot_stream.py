@@ -479,6 +479,7 @@ _REFUSED_WAIT_S = 0.02
 
 @dataclass(slots=True)
 class _Outgoing:
+    snap: Snapshot
     meta: SnapshotMeta
     window: SendWindow
     wake: asyncio.Event
@@ -550,7 +551,7 @@ class SnapshotStreams:
             s.resend_after_s,
             s.timeout_s,
         )
-        out = _Outgoing(snap.meta, win, asyncio.Event())
+        out = _Outgoing(snap, snap.meta, win, asyncio.Event())
         self._out[m.to] = out
         out.task = asyncio.get_running_loop().create_task(
             self._stream(m, snap, out), name=f"snapshot-stream-{self.node_id}-to-{m.to}"
@@ -654,6 +655,9 @@ class SnapshotStreams:
         finally:
             if self._out.get(to) is out:
                 del self._out[to]
+            cached = self._crc_of
+            if cached is not None and all(o.snap is not cached[0] for o in self._out.values()):
+                self._crc_of = None  # do not keep a superseded snapshot alive for its CRC
         dt = time.monotonic() - t0
         if ok:
             self.counters["snapshots_sent"] += 1

@@ -157,6 +157,15 @@ class NodeConfig:
     # snapshot_trailing_entries so slightly-behind followers still get entries.
     snapshot_every_entries: int = 50_000
     snapshot_trailing_entries: int = 1024
+    # Snapshot streaming (dledger/snapshot_stream.py): a snapshot goes to a
+    # far-behind follower in chunks of snapshot_chunk_bytes, at most
+    # snapshot_window_chunks unacknowledged; a transfer without progress for
+    # snapshot_stream_timeout_ms is given up (and retried by Raft). A node
+    # refuses to receive a snapshot above snapshot_max_bytes.
+    snapshot_chunk_bytes: int = 1 << 20
+    snapshot_window_chunks: int = 4
+    snapshot_stream_timeout_ms: int = 10_000
+    snapshot_max_bytes: int = 8 << 30
     # Storage.
     map_size_bytes: int = 256 << 20
     verify: VerifyMode = "tail"
@@ -250,6 +259,27 @@ class NodeConfig:
             raise ConfigError(
                 f"snapshot_trailing_entries must be >= 0, got {self.snapshot_trailing_entries}"
             )
+        if not 1024 <= self.snapshot_chunk_bytes <= 16 << 20:
+            raise ConfigError(
+                f"snapshot_chunk_bytes must be within 1024..{16 << 20}, got {self.snapshot_chunk_bytes}"
+            )
+        if not 1 <= self.snapshot_window_chunks <= 64:
+            raise ConfigError(
+                f"snapshot_window_chunks must be within 1..64, got {self.snapshot_window_chunks}"
+            )
+        if self.snapshot_chunk_bytes * self.snapshot_window_chunks > DEFAULT_MAX_FRAME_SIZE // 2:
+            # The window must fit the transport's per-peer queue with room
+            # for the Raft traffic that shares it.
+            raise ConfigError(
+                "snapshot_chunk_bytes * snapshot_window_chunks must stay within "
+                f"{DEFAULT_MAX_FRAME_SIZE // 2} bytes"
+            )
+        if self.snapshot_stream_timeout_ms < 100:
+            raise ConfigError(
+                f"snapshot_stream_timeout_ms must be >= 100, got {self.snapshot_stream_timeout_ms}"
+            )
+        if self.snapshot_max_bytes < 1 << 20:
+            raise ConfigError(f"snapshot_max_bytes must be >= 1 MiB, got {self.snapshot_max_bytes}")
         if self.map_size_bytes < 1 << 16:
             raise ConfigError(f"map_size_bytes must be >= 65536, got {self.map_size_bytes}")
         if self.flush not in ("sync", "async"):

@@ -39,9 +39,14 @@ saves and syncs it, and compacts the log as far as ``snapshot_taken`` allows
 (keeping ``snapshot_trailing_entries``). A Ready carrying a snapshot from the
 leader restores the state machine from it and resets the log
 (``apply_snapshot``) in the same sync, before any message of that Ready
-leaves. SNAPSHOT messages for far-behind followers get the stored snapshot's
-payload attached; one that does not fit in a transport frame (or queue) is
-reported as failed to the core and logged (no chunking yet).
+leaves. A SNAPSHOT message for a far-behind follower starts a chunked,
+back-pressured stream of the stored snapshot to it
+(:mod:`dledger.snapshot_stream`: one task per peer, go-back-N on loss, a
+failed transfer is reported to the core after the next ``advance()``); the
+receiving node reassembles it, checks its CRC and puts the complete SNAPSHOT
+message into the inbox (past ``max_inbox_msgs``: dropping it would waste the
+whole transfer). Stream frames carry their own magic and are told apart from
+Raft messages before decoding; streams stop with leadership and at stop.
 
 Proposal outcomes
 -----------------
@@ -65,7 +70,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import fcntl
 import heapq
 import logging
@@ -105,9 +109,9 @@ from dledger.errors import (
     TransferInProgress,
 )
 from dledger.metrics import Histogram
+from dledger.snapshot_stream import SnapshotStreams, StreamSettings, is_stream_frame
 from dledger.statemachine import LogStateMachine, StateMachine
 from dledger.storage.lmdb_store import LmdbStorage
-from dledger.transport.frames import DEFAULT_MAX_FRAME_SIZE
 from dledger.transport.tcp import TcpTransport
 
 logger = logging.getLogger(__name__)
@@ -273,6 +277,19 @@ class Node:
         self._snap: Snapshot | None = None
         self.restored_from_snapshot = 0
         self._snap_failed: list[int] = []
+        self._streams = SnapshotStreams(
+            cfg.node_id,
+            StreamSettings(
+                chunk_bytes=cfg.snapshot_chunk_bytes,
+                window_chunks=cfg.snapshot_window_chunks,
+                max_snapshot_bytes=cfg.snapshot_max_bytes,
+                timeout_s=cfg.snapshot_stream_timeout_ms / 1000,
+            ),
+            send=self._send_frame,
+            deliver=self._deliver_snapshot,
+            failed=self._stream_failed,
+            counters=self.counters,
+        )
         # A local snapshot in the making: built and written by a background
         # task (off the loop), recorded by the loop; then the log is compacted
         # behind it a bounded step per loop pass.
@@ -381,6 +398,7 @@ class Node:
                 self._task.cancel()
                 clean = False
         self._fail_all(OutcomeUnknown("the node stopped before the proposal committed"))
+        await self._streams.close()
         if self._transport is not None:
             await self._transport.stop()
         if self._storage is not None and clean:
@@ -646,6 +664,8 @@ class Node:
                 "installed": self.counters["snapshots_installed"],
                 "sent": self.counters["snapshots_sent"],
                 "send_failed": self.counters["snapshots_send_failed"],
+                "received": self.counters["snapshots_received"],
+                "stream": self._streams.status(),
             },
             node={
                 **self.counters,
@@ -692,6 +712,9 @@ class Node:
     # inputs (called on the loop thread from outside the loop task)
     # ======================================================================
     def _on_message(self, peer_id: int, payload: bytes) -> None:
+        if is_stream_frame(payload):
+            self._streams.on_frame(peer_id, payload)
+            return
         try:
             m = decode_message(payload)
         except CodecError as exc:
@@ -709,6 +732,22 @@ class Node:
             self.counters["inbox_dropped"] += 1  # Raft retries; memory stays bounded
             return
         self._inbox.append(m)
+        self._wake.set()
+
+    def _send_frame(self, to: int, payload: bytes) -> bool:
+        tr = self._transport
+        return tr is not None and self.running and tr.send(to, payload)
+
+    def _deliver_snapshot(self, m: Message) -> None:
+        """A reassembled SNAPSHOT message: stepped like any other, but never
+        dropped for a full inbox (it is one message that cost a transfer)."""
+        if not self.running:
+            return
+        self._inbox.append(m)
+        self._wake.set()
+
+    def _stream_failed(self, to: int) -> None:
+        self._snap_failed.append(to)  # report_snapshot(to, False) after advance()
         self._wake.set()
 
     def _enqueue(self, fut: asyncio.Future[Any], op: Callable[[], None]) -> None:
@@ -859,10 +898,10 @@ class Node:
         )
 
     def _send_snapshots(self, rd: Ready) -> None:
-        """Attach the stored snapshot's payload to each SNAPSHOT message; one
-        that cannot be sent is reported to the core after advance()."""
-        tr = self._transport
-        assert tr is not None
+        """Stream the stored snapshot to each follower the core asked for
+        (:class:`SnapshotStreams`; a request for a peer already receiving
+        one is ignored). One that cannot start is reported to the core after
+        advance(); a stream that fails later reports the same way."""
         for m in rd.snapshots_to_send:
             snap = self._snap
             if snap is None or m.snapshot is None or snap.meta != m.snapshot:
@@ -873,42 +912,17 @@ class Node:
                     m.to,
                     snap.meta if snap is not None else None,
                 )
-                self._snap_failed.append(m.to)
-                continue
-            payload = encode_message(dataclasses.replace(m, snapshot_data=snap.data))
-            if len(payload) > DEFAULT_MAX_FRAME_SIZE:
-                logger.error(
-                    "node %d: snapshot at %d is %d bytes encoded, above the transport's "
-                    "%d-byte frame limit: node %d cannot catch up by snapshot (chunked "
-                    "transfer is not implemented)",
-                    self.cfg.node_id,
-                    snap.meta.index,
-                    len(payload),
-                    DEFAULT_MAX_FRAME_SIZE,
-                    m.to,
-                )
                 self.counters["snapshots_send_failed"] += 1
                 self._snap_failed.append(m.to)
                 continue
-            if not tr.send(m.to, payload):
-                logger.warning(
-                    "node %d: transport refused snapshot at %d (%d bytes) for node %d",
+            if self._streams.send_snapshot(m, snap):
+                logger.info(
+                    "node %d: streaming snapshot at %d (%d bytes) to node %d",
                     self.cfg.node_id,
                     snap.meta.index,
-                    len(payload),
+                    len(snap.data),
                     m.to,
                 )
-                self.counters["snapshots_send_failed"] += 1
-                self._snap_failed.append(m.to)
-                continue
-            self.counters["snapshots_sent"] += 1
-            logger.info(
-                "node %d: sent snapshot at %d (%d bytes) to node %d",
-                self.cfg.node_id,
-                snap.meta.index,
-                len(payload),
-                m.to,
-            )
 
     def _maybe_start_snapshot(self, r: RawNode) -> None:
         """Between advance() and the next ready(): once ``snapshot_every_entries``
@@ -1072,6 +1086,8 @@ class Node:
             self._campaign_term = ss.term
             self.counters["elections"] += 1
         self._role, self._leader = ss.role, ss.leader
+        if was_leader and ss.role is not Role.LEADER:
+            self._streams.stop_sending()  # the core no longer waits for them
         if was_leader and ss.role is not Role.LEADER and self._pending:
             n = len(self._pending)
             self.counters["proposals_unknown"] += n

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from dledger.cluster import http_request
+
 if TYPE_CHECKING:
     from conftest import TestCluster
 
@@ -143,3 +145,109 @@ def test_full_restart_after_snapshots_keeps_every_acknowledged_entry(
         assert _snap(c, nid)["restored_from"] >= 50
     c.refresh_leader()
     c.propose_ok(_payload("after-restart"))
+
+
+# Chunked streaming: the "log" state machine keeps recent payloads in its
+# snapshot, so a few thousand 4 KB entries make a snapshot of several MB,
+# which small chunks cut into hundreds of frames.
+STREAM_SETTINGS: dict[str, object] = {
+    "state_machine": "log",
+    "snapshot_every_entries": 500,
+    "snapshot_trailing_entries": 5,
+    "max_inflight_msgs": 2,
+    "snapshot_stream_timeout_ms": 3000,
+}
+
+
+def _bench(c: TestCluster, lead: int, n: int, size: int) -> int:
+    """``n`` entries of ``size`` bytes proposed inside the leader; returns the
+    leader's last index afterwards."""
+    r = http_request(
+        c.http(lead), "POST", f"/raft/bench?n={n}&size={size}&window=100", timeout_s=120
+    )
+    assert r.status == 200, r.body
+    st = c.status(lead, timeout_s=3.0)
+    assert st is not None
+    last: int = st["last_index"]
+    return last
+
+
+def _stream(c: TestCluster, nid: int) -> dict[str, Any]:
+    st = c.status(nid, timeout_s=3.0)
+    assert st is not None, f"node {nid} does not answer"
+    out: dict[str, Any] = st["snapshot"]["stream"]
+    return out
+
+
+def test_far_behind_follower_catches_up_by_a_many_chunk_stream(
+    make_cluster: MakeCluster,
+) -> None:
+    c = make_cluster(
+        voters=3,
+        settings={**STREAM_SETTINGS, "snapshot_chunk_bytes": 64 << 10},
+    )
+    lead = c.wait_leader()
+    follower = next(n for n in c.ids() if n != lead)
+    acked = _write(c, 5, "before")
+    c.kill(follower, signal.SIGKILL)
+    top = _bench(c, lead, 1200, 4000)
+    s = _wait_snapshot(c, lead, 1000)
+    assert s["first_index"] > 10
+    assert s["bytes"] > 4_000_000, s  # dozens of 64 KiB chunks
+    c.start(follower)
+    recs = c.wait_converged(c.ids(), top)
+    _assert_acked_present(acked, recs)
+    fs = _snap(c, follower)
+    assert fs["installed"] >= 1 and fs["applied"] >= top
+    rx, tx = _stream(c, follower), _stream(c, lead)
+    chunks = s["bytes"] // (64 << 10)
+    assert rx["snapshots_received"] >= 1
+    assert rx["snapshot_chunks_received"] >= chunks
+    assert tx["snapshot_chunks_sent"] >= chunks
+    assert tx["snapshot_chunk_bytes_sent"] >= s["bytes"]
+    assert rx["snapshot_stream_garbage"] == 0 and rx["snapshot_stream_rejects"] == 0
+    leader_snap = _snap(c, lead)
+    assert leader_snap["sent"] >= 1
+    more = _write(c, 10, "after")
+    recs = c.wait_converged(c.ids(), max(i for i, _ in more.values()))
+    _assert_acked_present(more, recs)
+
+
+def test_follower_killed_mid_stream_still_catches_up(make_cluster: MakeCluster) -> None:
+    # Tiny chunks with one in flight make the transfer long enough to kill
+    # the receiver while it holds part of the snapshot.
+    c = make_cluster(
+        voters=3,
+        settings={**STREAM_SETTINGS, "snapshot_chunk_bytes": 4096, "snapshot_window_chunks": 1},
+    )
+    lead = c.wait_leader()
+    follower = next(n for n in c.ids() if n != lead)
+    acked = _write(c, 5, "before")
+    c.kill(follower, signal.SIGKILL)
+    top = _bench(c, lead, 2500, 4000)
+    s = _wait_snapshot(c, lead, 2000)
+    total = s["bytes"]
+    assert total > 8_000_000, s
+    c.start(follower)
+
+    def partial() -> dict[str, Any] | None:
+        st = c.status(follower, timeout_s=1.0)
+        if st is None:
+            return None
+        rx: dict[str, Any] = st["snapshot"]["stream"]["receiving"]
+        got = rx.get(str(lead))
+        return got if got is not None and 0 < got["received"] < got["total"] else None
+
+    got = c.wait_for(partial, 60, "the follower to hold part of the snapshot", poll_s=0.02)
+    c.kill(follower, signal.SIGKILL)
+    c.start(follower)
+    recs = c.wait_converged(c.ids(), top, timeout_s=120)
+    _assert_acked_present(acked, recs)
+    fs = _snap(c, follower)
+    assert fs["installed"] >= 1 and fs["applied"] >= top
+    tx = _stream(c, lead)
+    # The killed process's share was lost: the leader sent more than one copy.
+    assert tx["snapshot_chunk_bytes_sent"] >= got["total"] + got["received"], (tx, got)
+    assert tx["snapshot_chunk_rewinds"] + tx["snapshot_stream_aborts"] >= 1, tx
+    rx = _stream(c, follower)
+    assert rx["snapshots_received"] == 1 and rx["snapshot_stream_garbage"] == 0

@@ -41,3 +41,38 @@ def test_negative_values_are_refused(field: str, value: int) -> None:
 
 def test_zero_disables_snapshots() -> None:
     replace(cfg(), snapshot_every_entries=0, snapshot_trailing_entries=0).validate()
+
+
+def test_stream_settings_defaults_and_tunables() -> None:
+    c = cfg()
+    assert c.snapshot_chunk_bytes == 1 << 20 and c.snapshot_window_chunks == 4
+    assert c.snapshot_max_bytes == 8 << 30
+    for name in (
+        "snapshot_chunk_bytes",
+        "snapshot_window_chunks",
+        "snapshot_stream_timeout_ms",
+        "snapshot_max_bytes",
+    ):
+        assert name in TUNABLES
+    replace(c, snapshot_chunk_bytes=64 << 10, snapshot_window_chunks=8).validate()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("snapshot_chunk_bytes", 1023),
+        ("snapshot_chunk_bytes", (16 << 20) + 1),
+        ("snapshot_window_chunks", 0),
+        ("snapshot_window_chunks", 65),
+        ("snapshot_stream_timeout_ms", 99),
+        ("snapshot_max_bytes", 1000),
+    ],
+)
+def test_stream_settings_are_validated(field: str, value: int) -> None:
+    with pytest.raises(ConfigError, match=field):
+        replace(cfg(), **{field: value}).validate()
+
+
+def test_stream_window_must_fit_the_transport_queue() -> None:
+    with pytest.raises(ConfigError, match="snapshot_window_chunks"):
+        replace(cfg(), snapshot_chunk_bytes=16 << 20, snapshot_window_chunks=4).validate()

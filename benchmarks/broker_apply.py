@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import resource
+import tempfile
 import time
 import tracemalloc
 
@@ -27,6 +29,7 @@ from broker_adapter import (
     encode_produce,
     encode_topic,
 )
+from broker_adapter.bodies import Bodies, LmdbBodies, MemoryBodies
 from dledger.core.types import Entry
 
 
@@ -53,8 +56,20 @@ def build(n: int, batch: int, body: int, queues: int) -> list[Entry]:
     return entries
 
 
-def run(n: int, batch: int, body: int, queues: int) -> dict[str, float]:
+def run(n: int, batch: int, body: int, queues: int, bodies: str = "lmdb") -> dict[str, float]:
     entries = build(n, batch, body, queues)
+    tmp = tempfile.TemporaryDirectory(prefix="broker-apply-")
+    made = 0
+
+    def store() -> Bodies:
+        """Where records go: LMDB as on a node (memory holds the index only),
+        or a dict (the pure adapter, as in the tests)."""
+        nonlocal made
+        made += 1
+        if bodies == "memory":
+            return MemoryBodies()
+        return LmdbBodies(os.path.join(tmp.name, f"b{made}"))
+
     entry_bytes = sum(len(e.data) for e in entries)
     # Throughput and RSS without tracemalloc (it slows allocation and adds
     # its own memory). RSS is the process's resident set delta: it includes
@@ -62,7 +77,7 @@ def run(n: int, batch: int, body: int, queues: int) -> dict[str, float]:
     # be reused, so this runs first and the first row of a run is the one to trust.
     gc.collect()
     rss0 = rss_bytes()
-    st2 = BrokerState("bench")
+    st2 = BrokerState("bench", store())
     t = time.perf_counter()
     for e in entries:
         st2.apply(e)
@@ -70,7 +85,7 @@ def run(n: int, batch: int, body: int, queues: int) -> dict[str, float]:
     rss1 = rss_bytes()
     tracemalloc.start()
     t0 = tracemalloc.take_snapshot()
-    st = BrokerState("bench")
+    st = BrokerState("bench", store())
     for e in entries:
         st.apply(e)
     gc.collect()
@@ -79,7 +94,7 @@ def run(n: int, batch: int, body: int, queues: int) -> dict[str, float]:
     tracemalloc.stop()
     del st, t0, t1
     # What a node runs: the broker plus the replica records (/raft/applied).
-    sm = BrokerStateMachine(broker_name="bench")
+    sm = BrokerStateMachine(broker_name="bench", bodies=store())
     t = time.perf_counter()
     for e in entries:
         sm.apply(e)
@@ -89,8 +104,9 @@ def run(n: int, batch: int, body: int, queues: int) -> dict[str, float]:
     snap = st2.snapshot()
     snap_s = time.perf_counter() - t
     t = time.perf_counter()
-    BrokerState.restore(snap)
+    BrokerState.restore(snap, store())
     restore_s = time.perf_counter() - t
+    tmp.cleanup()
     per_m = 1_000_000 / n
     return {
         "messages": n,
@@ -115,7 +131,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--body", type=int, nargs="+", default=[100, 1024])
     ap.add_argument("--queues", type=int, default=8)
+    ap.add_argument(
+        "--bodies",
+        choices=["lmdb", "memory"],
+        default="lmdb",
+        help="where message records live: LMDB as on a node (default) or a dict",
+    )
     a = ap.parse_args()
+    print(f"records in {a.bodies}")
     print(
         f"{'batch':>5} {'body':>5} {'msgs/s':>10} {'entries/s':>10} {'node msgs/s':>11} "
         f"{'log B/msg':>9} "
@@ -124,7 +147,7 @@ def main() -> None:
     )
     for body in a.body:
         for batch in a.batch:
-            r = run(a.messages, batch, body, a.queues)
+            r = run(a.messages, batch, body, a.queues, a.bodies)
             print(
                 f"{batch:>5} {body:>5} {r['apply_msgs_per_s']:>10.0f} "
                 f"{r['apply_entries_per_s']:>10.0f} {r['node_sm_msgs_per_s']:>11.0f} "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
+from broker_adapter.bodies import Bodies
 from broker_adapter.codec import is_command
 from broker_adapter.errors import MalformedCommand
 from broker_adapter.state import BrokerState
@@ -27,9 +28,16 @@ _LEN = struct.Struct(">Q")
 
 
 class BrokerStateMachine(LogStateMachine):
-    def __init__(self, broker: BrokerState | None = None, broker_name: str = "dledger") -> None:
+    def __init__(
+        self,
+        broker: BrokerState | None = None,
+        broker_name: str = "dledger",
+        bodies: Bodies | None = None,
+    ) -> None:
+        """``bodies``: where records live (default: memory); a node passes an
+        :class:`~broker_adapter.bodies.LmdbBodies` in its data directory."""
         super().__init__()
-        self.broker = broker if broker is not None else BrokerState(broker_name)
+        self.broker = broker if broker is not None else BrokerState(broker_name, bodies)
         self._listeners: list[Callable[[], None]] = []
 
     def __bool__(self) -> bool:
@@ -72,7 +80,7 @@ class BrokerStateMachine(LogStateMachine):
         if _LEN.size + n > len(data):
             raise SnapshotError("broker state machine snapshot is truncated")
         try:
-            broker = BrokerState.restore(data[_LEN.size + n :])
+            broker = BrokerState.restore(data[_LEN.size + n :], self.broker.bodies)
         except MalformedCommand as exc:
             raise SnapshotError(f"broker snapshot: {exc}") from None
         super().restore(data[_LEN.size : _LEN.size + n])

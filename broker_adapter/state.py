@@ -46,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from broker_adapter import codec
+from broker_adapter.bodies import Bodies, MemoryBodies
 from broker_adapter.codec import (
     Command,
     CommandKind,
@@ -164,12 +165,13 @@ class ReadResult:
 
 class _Queue:
     """One ConsumeQueue: queue offset -> (physical offset, size, tag hash),
-    plus the store timestamp (reset by time, age retention) and the record.
+    plus the store timestamp (reset by time, age retention). The records
+    themselves are in the state's :class:`~broker_adapter.bodies.Bodies`.
 
     Arrays index ``k`` holds queue offset ``base + k``; ``start`` is the first
     retained index (retention clears the front lazily, then compacts)."""
 
-    __slots__ = ("base", "phys", "recs", "sizes", "start", "tags", "ts")
+    __slots__ = ("base", "phys", "sizes", "start", "tags", "ts")
 
     def __init__(self, base: int = 0) -> None:
         self.base = base
@@ -178,7 +180,6 @@ class _Queue:
         self.sizes = array("i")
         self.tags = array("I")
         self.ts = array("q")
-        self.recs: list[bytes] = []
 
     @property
     def min_offset(self) -> int:
@@ -231,8 +232,9 @@ def _from_bytes(typecode: str, raw: bytes) -> array[int]:
 class BrokerState:
     """See the module docstring. Public reads never mutate state."""
 
-    def __init__(self, broker_name: str = "dledger") -> None:
+    def __init__(self, broker_name: str = "dledger", bodies: Bodies | None = None) -> None:
         self.broker_name = broker_name
+        self.bodies: Bodies = bodies if bodies is not None else MemoryBodies()
         self._id_prefix = f"{zlib.crc32(broker_name.encode()):08X}"
         self.applied_index = 0
         self.confirm_offset = 0
@@ -329,6 +331,8 @@ class BrokerState:
         for q in t.queues:
             self.stored_bytes -= sum(q.sizes[q.start :])
             self.stored_messages -= len(q.phys) - q.start
+            for phys in q.phys[q.start :]:
+                self.bodies.delete(phys)
         del self._topics[name]
         for offs in self._groups.values():
             for key in [k for k in offs if k[0] == name]:
@@ -433,7 +437,7 @@ class BrokerState:
             cq.sizes.append(size)
             cq.tags.append(th)
             cq.ts.append(now)
-            cq.recs.append(data[off : off + size])
+            self.bodies.put(phys, data[off : off + size])
             acks.append(MessageAck(q, qoff, phys, size, self.msg_id(phys)))
             self.stored_bytes += size
         self.stored_messages += len(heads)
@@ -547,13 +551,13 @@ class BrokerState:
 
     def _drop_head(self, cq: _Queue) -> None:
         size = cq.sizes[cq.start]
-        cq.recs[cq.start] = b""
+        self.bodies.delete(cq.phys[cq.start])
         cq.start += 1
         self.stored_bytes -= size
         self.stored_messages -= 1
         if cq.start >= 1024 and cq.start * 2 >= len(cq.phys):
             s = cq.start
-            del cq.phys[:s], cq.sizes[:s], cq.tags[:s], cq.ts[:s], cq.recs[:s]
+            del cq.phys[:s], cq.sizes[:s], cq.tags[:s], cq.ts[:s]
             cq.base += s
             cq.start = 0
 
@@ -662,8 +666,8 @@ class BrokerState:
         return ReadResult(tuple(out), cq.base + k, lo, hi)
 
     def _message(self, topic: str, queue: int, cq: _Queue, k: int) -> StoredMessage:
-        rec = codec.decode_record(cq.recs[k])
         phys = cq.phys[k]
+        rec = codec.decode_record(self.bodies.get(phys))
         return StoredMessage(
             topic,
             queue,
@@ -710,15 +714,13 @@ class BrokerState:
         """Cheap copies of everything the snapshot holds (array slices are
         memcpy, list slices copy pointers to immutable bytes); the returned
         function converts them into the snapshot value, off the apply path."""
-        _Frozen = tuple[int, tuple["array[int]", ...], list[bytes]]
+        _Frozen = tuple[int, tuple["array[int]", ...]]
         frozen_topics: list[tuple[str, int, list[_Frozen]]] = []
         for name, t in self._topics.items():
             qs: list[_Frozen] = []
             for q in t.queues:
                 s = q.start
-                qs.append(
-                    (q.min_offset, (q.phys[s:], q.sizes[s:], q.tags[s:], q.ts[s:]), q.recs[s:])
-                )
+                qs.append((q.min_offset, (q.phys[s:], q.sizes[s:], q.tags[s:], q.ts[s:])))
             frozen_topics.append((name, t.rr, qs))
         groups = {
             g: {f"{tp}\x00{q}": off for (tp, q), off in offs.items()}
@@ -757,16 +759,23 @@ class BrokerState:
             "stored": [self.stored_bytes, self.stored_messages],
         }
 
+        read_bodies = self.bodies.frozen_reader()
+
         def value() -> dict[str, object]:
+            every = array("q")
+            for _, _, qs in frozen_topics:
+                for _, arrays in qs:
+                    every.extend(arrays[0])
+            recs = read_bodies(every)
             topics: dict[str, object] = {}
+            k = 0
             for name, rr, qs in frozen_topics:
-                topics[name] = [
-                    rr,
-                    [
-                        [mn, *(_u64_bytes(array("q", a)) for a in arrays), recs]
-                        for mn, arrays, recs in qs
-                    ],
-                ]
+                out = []
+                for mn, arrays in qs:
+                    n = len(arrays[0])
+                    out.append([mn, *(_u64_bytes(array("q", a)) for a in arrays), recs[k : k + n]])
+                    k += n
+                topics[name] = [rr, out]
             return {**head, "topics": topics, "groups": groups, "producers": producers}
 
         return value
@@ -794,8 +803,9 @@ class BrokerState:
         return build
 
     @classmethod
-    def restore(cls, data: bytes) -> BrokerState:
-        """The state a snapshot was taken from; raises MalformedCommand."""
+    def restore(cls, data: bytes, bodies: Bodies | None = None) -> BrokerState:
+        """The state a snapshot was taken from; raises MalformedCommand.
+        ``bodies`` (emptied and refilled) holds the restored records."""
         if len(data) < _SNAP_HDR.size:
             raise MalformedCommand("snapshot is truncated")
         magic, version, crc = _SNAP_HDR.unpack_from(data, 0)
@@ -810,12 +820,12 @@ class BrokerState:
         if end != len(payload) or not isinstance(v, dict):
             raise MalformedCommand("snapshot has trailing bytes or a wrong shape")
         try:
-            return cls._from_value(v)
+            return cls._from_value(v, bodies)
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise MalformedCommand(f"snapshot has a wrong shape: {exc!r}") from None
 
     @classmethod
-    def _from_value(cls, v: dict[object, object]) -> BrokerState:
+    def _from_value(cls, v: dict[object, object], bodies: Bodies | None) -> BrokerState:
         def d(x: object) -> dict[object, object]:
             if not isinstance(x, dict):
                 raise TypeError("expected a map")
@@ -841,7 +851,8 @@ class BrokerState:
                 raise TypeError("expected a string")
             return x
 
-        st = cls(s(v["broker"]))
+        st = cls(s(v["broker"]), MemoryBodies())  # the real store is filled once all is valid
+        records: list[tuple[int, bytes]] = []
         st.applied_index = i(v["applied"])
         st.confirm_offset = i(v["confirm"])
         st.now_ms = i(v["now"])
@@ -866,9 +877,10 @@ class BrokerState:
                 q.sizes = array("i", _from_bytes("q", b(sizes)))
                 q.tags = array("I", _from_bytes("q", b(tags)))
                 q.ts = _from_bytes("q", b(ts))
-                q.recs = [b(r) for r in lst(recs)]
-                if not len(q.phys) == len(q.sizes) == len(q.tags) == len(q.ts) == len(q.recs):
+                recs_l = [b(r) for r in lst(recs)]
+                if not len(q.phys) == len(q.sizes) == len(q.tags) == len(q.ts) == len(recs_l):
                     raise ValueError("queue arrays of different lengths")
+                records.extend(zip(q.phys, recs_l, strict=True))
                 queues.append(q)
             st._topics[s(name)] = _Topic(s(name), queues, i(rr))
         for g, offs in d(v["groups"]).items():
@@ -899,4 +911,6 @@ class BrokerState:
                     )
                 prod.seqs[(tp, int(qs_))] = seq
             st._producers[i(pid)] = prod
+        st.bodies = bodies if bodies is not None else MemoryBodies()
+        st.bodies.replace_all(records)
         return st

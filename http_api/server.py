@@ -3,8 +3,11 @@ broker API on one aiohttp application at the node's HTTP address."""
 
 from __future__ import annotations
 
+import os
+
 from aiohttp import web
 
+from broker_adapter.bodies import LmdbBodies
 from broker_adapter.node_sm import BrokerStateMachine
 from dledger.admin_http import AdminServer, make_app
 from dledger.config import NodeConfig
@@ -22,7 +25,10 @@ def make_state_machine(cfg: NodeConfig) -> StateMachine:
     ``/raft/applied`` needs (it is a LogStateMachine)."""
     if cfg.state_machine == "log":
         return LogStateMachine()
-    return BrokerStateMachine(broker_name=cfg.cluster_id)
+    # Message records live in LMDB next to the log (rebuilt from the snapshot
+    # and the log at every start), so memory holds only the queue index.
+    bodies = LmdbBodies(os.path.join(cfg.data_dir, "broker-bodies"))
+    return BrokerStateMachine(broker_name=cfg.cluster_id, bodies=bodies)
 
 
 def make_node_app(node: Node) -> web.Application:

@@ -74,7 +74,7 @@ from broker_adapter.errors import (
     UnknownTopic,
 )
 from dledger.core.types import Entry, EntryType
-from dledger.errors import InvariantViolation
+from dledger.errors import InvariantViolation, StorageCorrupted
 
 DEDUP_WINDOW = 5
 DEFAULT_PRODUCER_IDLE_MS = 7 * 24 * 3600 * 1000
@@ -667,7 +667,15 @@ class BrokerState:
 
     def _message(self, topic: str, queue: int, cq: _Queue, k: int) -> StoredMessage:
         phys = cq.phys[k]
-        rec = codec.decode_record(self.bodies.get(phys))
+        try:
+            rec = codec.decode_record(self.bodies.get(phys))
+        except MalformedCommand as exc:
+            # The index names it, so it was applied whole: the record store
+            # is damaged. Reported (503 at the API), never served.
+            raise StorageCorrupted(
+                f"message {topic}/{queue}@{cq.base + k} (physical offset {phys}) cannot be "
+                f"read back: {exc}"
+            ) from None
         return StoredMessage(
             topic,
             queue,

@@ -32,6 +32,7 @@ from broker_adapter import (
 )
 from broker_adapter.bodies import BodyMissing, LmdbBodies
 from dledger.core.types import Entry
+from dledger.errors import StorageCorrupted
 from tests.broker.helpers import Log, all_messages, replay
 
 TOPICS = ["a", "b", "c"]
@@ -297,3 +298,18 @@ def test_lmdb_bodies_start_empty_and_report_a_missing_record(tmp_path: Path) -> 
     again.delete(7)
     with pytest.raises(BodyMissing):
         again.get(7)
+
+
+def test_a_damaged_record_is_reported_not_served(tmp_path: Path) -> None:
+    log = Log()
+    s = BrokerState("test", LmdbBodies(str(tmp_path / "bodies"), batch=1))
+    s.apply(log.add(encode_topic(CommandKind.CREATE_TOPIC, "t", 1, 1)))
+    res = s.apply(log.add(encode_produce("t", [Message(b"hello"), Message(b"world")], 2)))
+    assert isinstance(res, ProduceResult)
+    first, _ = res.acks
+    rec = bytearray(s.bodies.get(first.phys_offset))
+    rec[-1] ^= 0x01  # one bit of the body
+    s.bodies.put(first.phys_offset, bytes(rec))
+    with pytest.raises(StorageCorrupted, match="t/0@0"):
+        s.read("t", 0, 0, max_messages=10)
+    assert s.read("t", 0, 1, max_messages=10).messages[0].body == b"world"

@@ -23,6 +23,7 @@ from benchmarks.common import (
     disk_bytes,
     produce_body,
     produce_url,
+    rss_anon_bytes,
     rss_bytes,
     wait_caught_up,
 )
@@ -64,19 +65,22 @@ def run_cost_growth(ctx: Context) -> BenchResult:
             stored += r["requests_ok"] * 100
             wait_caught_up(lc, 300)
             rss = {nid: rss_bytes(lc.pid(nid)) for nid in lc.ids()}
+            anon = {nid: rss_anon_bytes(lc.pid(nid)) for nid in lc.ids()}
             disk = {nid: disk_bytes(lc.data_dir(nid)) for nid in lc.ids()}
             row = {
                 "messages": stored,
                 "segment_msg_per_s": r["requests_ok"] * 100 / secs,
                 "segment_p99_ms": r["latency_ms"]["p99"],
                 "rss_mb": {str(k): v / MB for k, v in rss.items()},
+                "rss_anon_mb": {str(k): v / MB for k, v in anon.items()},
                 "disk_bytes_per_msg": {str(k): v / max(stored, 1) for k, v in disk.items()},
                 "errors": r["errors"],
             }
             rows.append(row)
             ctx.log(
                 f"cost_growth: {stored:,} messages: {row['segment_msg_per_s']:,.0f} msg/s, "
-                f"RSS max {max(rss.values()) / MB:,.0f} MB, "
+                f"RSS max {max(rss.values()) / MB:,.0f} MB "
+                f"(anonymous {max(anon.values()) / MB:,.0f} MB), "
                 f"disk {max(disk.values()) / max(stored, 1):,.0f} B/msg"
             )
     res.raw["growth"] = rows
@@ -90,6 +94,15 @@ def run_cost_growth(ctx: Context) -> BenchResult:
             "MB",
             xs,
             [max(r["rss_mb"].values()) for r in rows],
+        ),
+        Series(
+            "cost_growth.rss_anon",
+            "cost_growth_rss_anon",
+            "max node anonymous RSS (heap; excludes mapped LMDB pages)",
+            "stored messages",
+            "MB",
+            xs,
+            [max(r["rss_anon_mb"].values()) for r in rows],
         ),
         Series(
             "cost_growth.disk",
@@ -120,6 +133,14 @@ def run_cost_growth(ctx: Context) -> BenchResult:
                 [max(r["rss_mb"].values())],
                 higher_is_better=False,
                 config={"per_node": r["rss_mb"]},
+            ),
+            Figure.of(
+                f"cost_growth.{m}.rss_anon_mb",
+                f"max node anonymous RSS at {m:,} stored messages",
+                "MB",
+                [max(r["rss_anon_mb"].values())],
+                higher_is_better=False,
+                config={"per_node": r["rss_anon_mb"]},
             ),
             Figure.of(
                 f"cost_growth.{m}.disk_bytes_per_msg",

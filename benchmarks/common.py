@@ -110,6 +110,22 @@ def rss_bytes(pid: int | None) -> int:
     return 0
 
 
+def rss_anon_bytes(pid: int | None) -> int:
+    """Anonymous resident memory of ``pid`` (``RssAnon``: the heap, what the
+    process itself holds). ``VmRSS`` also counts pages of LMDB's memory-mapped
+    files the process touched: page cache the kernel can reclaim, which grows
+    with the data read or written, not with what the process keeps."""
+    if pid is None:
+        return 0
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def disk_bytes(path: Path) -> int:
     """Bytes allocated on disk under ``path`` (st_blocks: LMDB files are sparse)."""
     total = 0

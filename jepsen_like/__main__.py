@@ -55,6 +55,13 @@ def main(argv: list[str] | None = None) -> int:
         help="planted bug to switch on in every node (tests)",
     )
     r.add_argument("--no-netns", action="store_true", help="run nodes on 127.0.0.1")
+    r.add_argument(
+        "--shapes",
+        action="append",
+        default=[],
+        metavar="KIND=S1,S2",
+        help="restrict a nemesis to these shapes, e.g. kill=majority,all partition=halves",
+    )
     c = sub.add_parser("check", help="run the checkers on a history file")
     c.add_argument("history")
     args, rest = p.parse_known_args(argv)
@@ -64,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         return check_main([args.history, *rest])
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
+    shapes: dict[str, list[str]] = {}
+    for spec in args.shapes:
+        kind, _, rest = spec.partition("=")
+        shapes[kind] = [s for s in rest.split(",") if s]
     env = {}
     if args.fault:
         env = {"DLEDGER_ENABLE_FAULTS": "1", "DLEDGER_FAULTS": ",".join(args.fault)}
@@ -83,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet_s=tuple(args.quiet_seconds),
         node_env=env,
         use_netns=not args.no_netns,
+        shapes=shapes,
     )
     try:
         return Runner(cfg).run()

@@ -65,6 +65,7 @@ class Nemesis:
         *,
         log: Callable[[str], None],
         libfaketime: str | None,
+        shapes: dict[str, list[str]] | None = None,
     ) -> None:
         self.c = cluster
         self.w = writer
@@ -72,6 +73,7 @@ class Nemesis:
         self.kinds = kinds
         self.log = log
         self.libfaketime = libfaketime
+        self.shapes = shapes or {}
         self.count: dict[str, int] = {}
         self.events: list[dict[str, Any]] = []
         self._heal: Callable[[], Any] | None = None
@@ -80,6 +82,14 @@ class Nemesis:
         self._strobe_file: Path | None = None
 
     # -- targets ------------------------------------------------------------
+    def _pick(self, kind: str, default: list[str], k: int) -> str:
+        """The k-th shape of ``kind``: round robin over the configured shapes."""
+        chosen = self.shapes.get(kind) or default
+        bad = [s for s in chosen if s not in default]
+        if bad:
+            raise ValueError(f"unknown {kind} shape(s) {bad} (known: {default})")
+        return chosen[k % len(chosen)]
+
     def _shape_targets(self, shape: str, leader: int | None) -> list[int]:
         v = list(self.c.voters)
         n = len(v)
@@ -105,7 +115,7 @@ class Nemesis:
         k = self.count.get(kind, 0)
         self.count[kind] = k + 1
         if kind == "kill":
-            shape = ["one", "leader", "minority", "majority", "all"][k % 5]
+            shape = self._pick(kind, ["one", "leader", "minority", "majority", "all"], k)
             targets = self._shape_targets(shape, leader)
             self._record("start", kind, targets, shape=shape)
             for t in targets:
@@ -118,7 +128,7 @@ class Nemesis:
 
             self._heal = heal_kill
         elif kind == "pause":
-            shape = ["leader", "one", "minority", "majority"][k % 4]
+            shape = self._pick(kind, ["leader", "one", "minority", "majority"], k)
             targets = self._shape_targets(shape, leader)
             self._record("start", kind, targets, shape=shape)
             for t in targets:
@@ -134,7 +144,7 @@ class Nemesis:
             shapes = ["isolate-leader", "halves", "isolate-one", "bridge"]
             if len(self.c.voters) >= 5:
                 shapes.append("majorities-ring")
-            shape = shapes[k % len(shapes)]
+            shape = self._pick(kind, shapes, k)
             grudge, targets = self._grudge(shape, leader)
             self._record(
                 "start",
@@ -152,7 +162,7 @@ class Nemesis:
             self._heal = heal_partition
         elif kind == "clock":
             targets = [self.rng.choice(self.c.ids)]
-            mode = ["skew", "strobe"][k % 2]
+            mode = self._pick(kind, ["skew", "strobe"], k)
             env = self._faketime_env(mode, targets[0])
             self._record("start", kind, targets, mode=mode, faketime=env.get("FAKETIME", ""))
             self.c.kill(targets[0])

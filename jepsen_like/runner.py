@@ -62,6 +62,7 @@ class RunConfig:
     node_env: dict[str, str] = field(default_factory=dict)
     node_settings: dict[str, int | str] = field(default_factory=dict)
     use_netns: bool = True
+    shapes: dict[str, list[str]] = field(default_factory=dict)
     quiet: bool = False
 
 
@@ -188,7 +189,15 @@ class Runner:
                     raise RuntimeError("could not create the topic in 30 s")
                 self.log(f"topic ready; workload for {cfg.time_limit_s:.0f} s, nemeses {kinds}")
                 tasks = wl.tasks()
-                nem = Nemesis(c, w, rng, kinds, log=self.log, libfaketime=find_libfaketime())
+                nem = Nemesis(
+                    c,
+                    w,
+                    rng,
+                    kinds,
+                    log=self.log,
+                    libfaketime=find_libfaketime(),
+                    shapes=cfg.shapes,
+                )
                 await self._nemesis_loop(nem, wl, kinds, rng)
                 wl.stop.set()
                 await asyncio.wait(tasks, timeout=cfg.op_timeout_s * 3)

@@ -222,6 +222,11 @@ class Workload:
         return None
 
     async def producer(self, idempotent: bool) -> None:
+        """Unique values to random queues. An idempotent producer's op spans its
+        retries: it re-sends the same value with the same sequence number after
+        an unknown outcome (the server answers a repeat with the original
+        offsets), so the history holds one logical produce that took effect at
+        most once, somewhere between the first send and the final answer."""
         process = self._process()
         rng = random.Random(self.seed * 1000 + process)
         n = 0
@@ -237,17 +242,17 @@ class Workload:
             q = rng.randrange(self.queues)
             value = f"p{process}-{n}"
             n += 1
+            body: dict[str, Any] = {"messages": [{"value": value, "encoding": "utf-8", "queue": q}]}
+            extra: dict[str, Any] = {}
+            if idempotent and prod is not None:
+                seq = seqs.get(q, 0)
+                body.update(producer_id=prod[0], epoch=prod[1], sequence=seq)
+                extra = {"producer_id": prod[0], "sequence": seq}
+            self.w.invoke(process, "produce", key_of(q), value=value, **extra)
+            maybe_happened = False
             attempts = 0
             while True:
-                body: dict[str, Any] = {
-                    "messages": [{"value": value, "encoding": "utf-8", "queue": q}]
-                }
-                extra: dict[str, Any] = {}
-                if idempotent and prod is not None:
-                    seq = seqs.get(q, 0)
-                    body.update(producer_id=prod[0], epoch=prod[1], sequence=seq)
-                    extra = {"producer_id": prod[0], "sequence": seq}
-                self.w.invoke(process, "produce", key_of(q), value=value, **extra)
+                attempts += 1
                 r = await self.http.call(
                     "POST",
                     f"/v1/topics/{TOPIC}/messages?timeout_ms={self.timeout_ms}",
@@ -259,31 +264,26 @@ class Workload:
                     try:
                         off = int(r.body["messages"][0]["queue_offset"])
                     except (KeyError, IndexError, TypeError, ValueError):
-                        self._complete("info", process, "produce", error="bad ok body")
+                        st = "info"
+                    else:
+                        self._complete(
+                            "ok", process, "produce", offset=off, node=r.node, attempts=attempts
+                        )
+                        self.high[q] = max(self.high[q], off + 1)
+                        if idempotent:
+                            seqs[q] = seqs.get(q, 0) + 1
                         break
-                    self._complete("ok", process, "produce", offset=off, node=r.node)
-                    self.high[q] = max(self.high[q], off + 1)
-                    if idempotent:
-                        seqs[q] = seqs.get(q, 0) + 1
+                maybe_happened = maybe_happened or st == "info"
+                broker_refused = r.status is not None and 400 <= r.status < 500 and r.status != 429
+                if not idempotent or broker_refused or attempts >= 5 or self.stop.is_set():
+                    final = "info" if maybe_happened else st
+                    self._complete(
+                        final, process, "produce", error=_err(r), node=r.node, attempts=attempts
+                    )
+                    if idempotent and (final == "info" or broker_refused):
+                        prod = None  # an unknown or refused sequence: start a fresh producer
                     break
-                self._complete(st, process, "produce", error=_err(r), node=r.node)
-                if not idempotent:
-                    break
-                if (
-                    st == "fail"
-                    and r.status is not None
-                    and 400 <= r.status < 500
-                    and r.status != 429
-                ):
-                    prod = None  # fenced or out of sequence: start a fresh producer
-                    break
-                attempts += 1
-                if attempts >= 5:
-                    prod = None
-                    break
-                await asyncio.sleep(0.05)
-                if self.stop.is_set():
-                    break
+                await asyncio.sleep(0.1 * attempts)
             await self._pause(rng)
 
     # -- reads ------------------------------------------------------------------------

@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--producers", type=int, default=4)
     r.add_argument("--readers", type=int, default=2)
     r.add_argument("--pollers", type=int, default=2)
-    r.add_argument("--fault-seconds", type=float, nargs=2, default=(3.0, 6.0))
-    r.add_argument("--quiet-seconds", type=float, nargs=2, default=(3.0, 5.0))
+    r.add_argument("--fault-seconds", type=float, nargs=2, default=(2.5, 5.0))
+    r.add_argument("--quiet-seconds", type=float, nargs=2, default=(2.0, 4.0))
     r.add_argument(
         "--fault",
         action="append",

@@ -115,7 +115,7 @@ class Nemesis:
         k = self.count.get(kind, 0)
         self.count[kind] = k + 1
         if kind == "kill":
-            shape = self._pick(kind, ["one", "leader", "minority", "majority", "all"], k)
+            shape = self._pick(kind, ["leader", "majority", "one", "minority", "all"], k)
             targets = self._shape_targets(shape, leader)
             self._record("start", kind, targets, shape=shape)
             for t in targets:
@@ -128,7 +128,7 @@ class Nemesis:
 
             self._heal = heal_kill
         elif kind == "pause":
-            shape = self._pick(kind, ["leader", "one", "minority", "majority"], k)
+            shape = self._pick(kind, ["leader", "majority", "one", "minority"], k)
             targets = self._shape_targets(shape, leader)
             self._record("start", kind, targets, shape=shape)
             for t in targets:
@@ -141,9 +141,9 @@ class Nemesis:
 
             self._heal = heal_pause
         elif kind == "partition":
-            shapes = ["isolate-leader", "halves", "isolate-one", "bridge"]
+            shapes = ["isolate-leader", "halves", "bridge", "isolate-one"]
             if len(self.c.voters) >= 5:
-                shapes.append("majorities-ring")
+                shapes.insert(2, "majorities-ring")
             shape = self._pick(kind, shapes, k)
             grudge, targets = self._grudge(shape, leader)
             self._record(

@@ -56,8 +56,8 @@ class RunConfig:
     idempotent_producers: int = 2
     readers: int = 2
     pollers: int = 2
-    fault_s: tuple[float, float] = (3.0, 6.0)
-    quiet_s: tuple[float, float] = (3.0, 5.0)
+    fault_s: tuple[float, float] = (2.5, 5.0)
+    quiet_s: tuple[float, float] = (2.0, 4.0)
     op_timeout_s: float = 3.0
     node_env: dict[str, str] = field(default_factory=dict)
     node_settings: dict[str, int | str] = field(default_factory=dict)

@@ -298,6 +298,17 @@ class Runner:
             orjson.dumps(results, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS)
         )
         (cfg.out / "report.html").write_text(html_report(results, history), encoding="utf-8")
+        lin = results["checkers"]["linearizable"]
+        if lin["verdict"] == "invalid":
+            # The smallest failing window per key, on its own for a person to read.
+            windows = {
+                k: {"window": lin["keys"][k].get("window"), "stuck_at": lin["keys"][k].get("stuck_at"),
+                    "note": lin["keys"][k].get("note")}
+                for k in lin["invalid_keys"]
+            }  # fmt: skip
+            (cfg.out / "linearizability-windows.json").write_bytes(
+                orjson.dumps(windows, option=orjson.OPT_INDENT_2)
+            )
         rec = results["checkers"]["recovery"]
         rtos = [w["rto_ms"] for w in rec.get("windows", []) if w.get("rto_ms") is not None]
         per = " ".join(f"{name}={r['verdict']}" for name, r in results["checkers"].items())

@@ -74,6 +74,8 @@ class Nemesis:
         self.log = log
         self.libfaketime = libfaketime
         self.shapes = shapes or {}
+        # Corrupted nodes not rebuilt since: their damage may still be found later.
+        self.corrupted: set[int] = set()
         self.count: dict[str, int] = {}
         self.events: list[dict[str, Any]] = []
         self._heal: Callable[[], Any] | None = None
@@ -186,6 +188,7 @@ class Nemesis:
             self._record("start", kind, targets)
             self.c.kill(targets[0])
             damage = self.c.corrupt(targets[0], self.rng)
+            self.corrupted.add(targets[0])
             self.c.start(targets[0])
             info = {"damage": damage, "max_term_before": max_term}
 
@@ -288,6 +291,10 @@ class Nemesis:
         info["exit_code"] = rc
         self.c.members[node].expected_exit = True
         self.log(f"node {node} refused its damaged data (exit {rc}); rebuilding it from its peers")
+        await self.rebuild(node, max_term, info)
+
+    async def rebuild(self, node: int, max_term: int, info: dict[str, Any]) -> None:
+        """Wipe ``node`` (stopped, a minority of one) and restart it empty, once safe."""
         others = [v for v in self.c.voters if v != node]
         # Everything committed before the kill is at or below every commit
         # index reported now; entries committed later never counted the
@@ -319,6 +326,7 @@ class Nemesis:
             return
         self.c.wipe(node)
         self.c.start(node)
+        self.corrupted.discard(node)
         info["rebuilt"] = True
 
 

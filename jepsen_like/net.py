@@ -135,9 +135,13 @@ def heal(node_ids: Iterable[int]) -> None:
 def complete_grudge(
     components: Iterable[Iterable[int]], nodes: Iterable[int]
 ) -> dict[int, set[int]]:
-    """The grudge that splits ``nodes`` into disjoint ``components``."""
+    """The grudge that splits ``nodes`` into disjoint ``components``; the nodes
+    no component names form one more component together."""
     comps = [set(c) for c in components]
     all_nodes = set(nodes)
+    rest = all_nodes - set().union(*comps)
+    if rest:
+        comps.append(rest)
     out: dict[int, set[int]] = {}
     for n in all_nodes:
         mine = next((c for c in comps if n in c), {n})

@@ -74,6 +74,7 @@ class Runner:
         self.cluster: Cluster | None = None
         self.netns = False
         self.exits: list[dict[str, Any]] = []
+        self.nem: Nemesis | None = None
 
     def log(self, msg: str) -> None:
         if not self.cfg.quiet:
@@ -198,6 +199,7 @@ class Runner:
                     libfaketime=find_libfaketime(),
                     shapes=cfg.shapes,
                 )
+                self.nem = nem
                 await self._nemesis_loop(nem, wl, kinds, rng)
                 wl.stop.set()
                 await asyncio.wait(tasks, timeout=cfg.op_timeout_s * 3)
@@ -236,7 +238,7 @@ class Runner:
                 await nem.start(kind)
                 await self._sleep_until(rng.uniform(*cfg.fault_s), end)
                 await nem.heal()
-            self._note_exits(c)
+            await self._note_exits(c, nem)
             await self._sleep_until(rng.uniform(*cfg.quiet_s), end)
             if time.monotonic() - last_progress >= 10:
                 last_progress = time.monotonic()
@@ -247,8 +249,19 @@ class Runner:
     async def _sleep_until(self, seconds: float, end: float) -> None:
         await asyncio.sleep(max(0.0, min(seconds, end - time.monotonic() + 0.5)))
 
-    def _note_exits(self, c: Cluster) -> None:
+    async def _note_exits(self, c: Cluster, nem: Nemesis | None) -> None:
         for rec in c.check_exits():
+            node = rec["node"]
+            if nem is not None and node in nem.corrupted and rec["exit_code"] == 2:
+                # Damage found after start-up (a record outside the verified
+                # tail was read): the node stopped instead of serving it.
+                self.log(f"node {node} found its damaged data later (exit 2); rebuilding it")
+                st = await c.statuses()
+                term = max((int(s.get("term", 0)) for s in st.values()), default=0)
+                info: dict[str, Any] = {"late_detection": True}
+                await nem.rebuild(node, term, info)
+                nem.events.append({"kind": "corrupt-late", "targets": [node], **info})
+                continue
             self.exits.append(rec)
             self.log(
                 f"node {rec['node']} exited on its own with code {rec['exit_code']}:\n"
@@ -261,7 +274,7 @@ class Runner:
         for i in c.ids:
             if c.members[i].paused:
                 c.signal(i, signal.SIGCONT)
-        self._note_exits(c)
+        await self._note_exits(c, self.nem)
         for i in c.ids:
             if not c.alive(i) and not c.members[i].exits:
                 c.start(i)

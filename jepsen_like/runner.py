@@ -59,6 +59,7 @@ class RunConfig:
     fault_s: tuple[float, float] = (2.5, 5.0)
     quiet_s: tuple[float, float] = (2.0, 4.0)
     op_timeout_s: float = 3.0
+    recovery_s: float = 8.0
     node_env: dict[str, str] = field(default_factory=dict)
     node_settings: dict[str, int | str] = field(default_factory=dict)
     use_netns: bool = True
@@ -245,6 +246,11 @@ class Runner:
                 s = wl.stats
                 self.log(f"progress: ok={s.ok} fail={s.fail} info={s.info}")
         await nem.heal()
+        # Clients keep going after the last heal, so its window's recovery is
+        # observed rather than cut off by the end of the run.
+        self.log(f"all faults healed; the workload runs {cfg.recovery_s:.0f} s more")
+        await asyncio.sleep(cfg.recovery_s)
+        await self._note_exits(c, nem)
 
     async def _sleep_until(self, seconds: float, end: float) -> None:
         await asyncio.sleep(max(0.0, min(seconds, end - time.monotonic() + 0.5)))

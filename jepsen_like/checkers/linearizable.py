@@ -83,6 +83,7 @@ truth). ``window`` is then ``None`` and ``note`` says so.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -411,8 +412,12 @@ def _search(
     nxt = list(range(1, n + 3))
     prv = list(range(-1, n + 1))
     info_call = [o.call for o in info_ops]
-    info_done = [False] * len(info_ops)
     n_info = len(info_ops)
+    # Not-yet-linearized info ops, by index (= call order), in two sorted
+    # lists: only the first unused anonymous one is ever a candidate, so the
+    # scan at a return skips the others without looking at them.
+    pending_named = [k for k, o in enumerate(info_ops) if not o.anon]
+    pending_anon = [k for k, o in enumerate(info_ops) if o.anon]
     pure_reads = model.pure_reads
 
     # Memo key: (ok ops linearized, info ops linearized, model state). The ok
@@ -481,42 +486,41 @@ def _search(
                     stuck = ent_op[e]
         if not dead and n_info and not model.blocks_info():
             found = False
-            anon_tried = False
-            while i < n_info and info_call[i] <= frontier:
-                if not info_done[i]:
-                    op = info_ops[i]
-                    if op.anon:
-                        # Symmetry: unread info appends are interchangeable, so
-                        # only the earliest-invoked unused one is worth trying
-                        # (it is eligible wherever a later-invoked one is).
-                        if anon_tried or any(
-                            info_ops[j].anon and not info_done[j] for j in range(i)
+            # Symmetry: unread info appends are interchangeable, so only the
+            # earliest-invoked unused one is worth trying (it is eligible
+            # wherever a later-invoked one is).
+            anon = pending_anon[0] if pending_anon else n_info
+            j = bisect.bisect_left(pending_named, i)
+            while True:
+                cand = pending_named[j] if j < len(pending_named) else n_info
+                if i <= anon < cand:
+                    cand = anon
+                else:
+                    j += 1
+                if cand >= n_info or info_call[cand] > frontier:
+                    break
+                i = cand
+                op = info_ops[i]
+                if model.apply(op):
+                    nib = ibits | (1 << i)
+                    mk = (_compact(bits), nib, model.key())
+                    if mk not in memo:
+                        memo.add(mk)
+                        states += 1
+                        if states >= max_states:
+                            return _Outcome("unknown", states, f"state budget {max_states} spent")
+                        if (
+                            deadline is not None
+                            and states & 1023 == 0
+                            and time.monotonic() > deadline
                         ):
-                            i += 1
-                            continue
-                        anon_tried = True
-                    if model.apply(op):
-                        nib = ibits | (1 << i)
-                        mk = (_compact(bits), nib, model.key())
-                        if mk not in memo:
-                            memo.add(mk)
-                            states += 1
-                            if states >= max_states:
-                                return _Outcome(
-                                    "unknown", states, f"state budget {max_states} spent"
-                                )
-                            if (
-                                deadline is not None
-                                and states & 1023 == 0
-                                and time.monotonic() > deadline
-                            ):
-                                return _Outcome("unknown", states, "time budget spent")
-                            stack.append((True, i, frontier, False))
-                            ibits = nib
-                            info_done[i] = True
-                            found = True
-                            break
-                        model.undo(op)
+                            return _Outcome("unknown", states, "time budget spent")
+                        stack.append((True, i, frontier, False))
+                        ibits = nib
+                        (pending_anon if op.anon else pending_named).remove(i)
+                        found = True
+                        break
+                    model.undo(op)
                 i += 1
             if found:
                 in_info = False
@@ -530,7 +534,7 @@ def _search(
             if was_info:
                 op = info_ops[ref]
                 model.undo(op)
-                info_done[ref] = False
+                bisect.insort(pending_anon if op.anon else pending_named, ref)
                 ibits &= ~(1 << ref)
                 in_info = True
                 frontier = fr

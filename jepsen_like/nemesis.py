@@ -16,7 +16,8 @@ Kinds and shapes (targets are voters unless said otherwise):
 * ``partition`` (network namespaces only): isolate one node, isolate the
   leader, random halves, a bridge (two sides that only one node sees both
   of), and with 5 voters the majorities ring (each node sees its two ring
-  neighbours: every node has a majority, no two majorities agree);
+  neighbours: every node has a majority, no two majorities agree) and the
+  leader cut off with a minority of followers (it replicates, never commits);
   healed by flushing every namespace's INPUT chain.
 * ``clock`` (libfaketime): one node is restarted under ``LD_PRELOAD`` with
   its clocks offset (skew: wall and monotonic clocks both shifted by
@@ -146,6 +147,7 @@ class Nemesis:
             shapes = ["isolate-leader", "halves", "bridge", "isolate-one"]
             if len(self.c.voters) >= 5:
                 shapes.insert(2, "majorities-ring")
+                shapes.append("leader-minority")
             shape = self._pick(kind, shapes, k)
             grudge, targets = self._grudge(shape, leader)
             self._record(
@@ -221,6 +223,13 @@ class Nemesis:
         if shape in ("isolate-leader", "isolate-one"):
             t = leader if shape == "isolate-leader" and leader is not None else self.rng.choice(v)
             return net.complete_grudge([[t]], ids), [t]
+        if shape == "leader-minority":
+            # The leader keeps a minority of followers: it can replicate to
+            # them but never commit; the majority elects another leader.
+            t = leader if leader is not None else self.rng.choice(v)
+            rest = [x for x in v if x != t]
+            side = [t, *self.rng.sample(rest, max(0, (len(v) - 1) // 2 - 1))]
+            return net.complete_grudge([side], ids), sorted(side)
         if shape == "halves":
             shuffled = ids[:]
             self.rng.shuffle(shuffled)

@@ -46,7 +46,9 @@ def run(out: Path, *args: str, timeout_s: float = 240) -> tuple[int, dict[str, A
     p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
     results_path = out / "results.json"
     if not results_path.exists():
-        pytest.fail(f"no results.json (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+        pytest.fail(
+            f"no results.json (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+        )
     return p.returncode, json.loads(results_path.read_text()), p.stdout
 
 
@@ -155,7 +157,7 @@ def test_follower_serving_uncommitted_entries_is_caught(tmp_path: Path) -> None:
         tmp_path,
         "--nodes", "5",
         "--nemesis", "partition",
-        "--shapes", "partition=halves,isolate-leader",
+        "--shapes", "partition=leader-minority",
         "--time-limit", "30",
         "--fault", "follower_reads_uncommitted",
     )  # fmt: skip

@@ -62,6 +62,13 @@ def test_isolating_the_leader_cuts_it_from_every_node(tmp_path: Path) -> None:
     assert targets == [4] and g[4] == {1, 2, 3, 5}
 
 
+def test_leader_minority_keeps_the_leader_with_one_follower_of_five(tmp_path: Path) -> None:
+    g, side = nemesis(5, tmp_path)._grudge("leader-minority", 2)
+    assert 2 in side and len(side) == 2
+    (f,) = [x for x in side if x != 2]
+    assert sees(g, 2, f) and g[2] == {1, 2, 3, 4, 5} - {2, f}
+
+
 def test_shapes_can_be_restricted_and_unknown_ones_are_refused(tmp_path: Path) -> None:
     n = nemesis(3, tmp_path)
     n.shapes = {"kill": ["majority", "all"]}

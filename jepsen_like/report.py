@@ -204,9 +204,18 @@ def html_report(results: dict[str, Any], history: History) -> str:
             f"</td><td><code>{_esc(json.dumps(summary))}</code></td></tr>"
         )
     wrows = []
+    events = [
+        e for e in results.get("run", {}).get("nemesis_events", []) if e["kind"] != "corrupt-late"
+    ]
     for k, w in enumerate(rec.get("windows", [])):
+        e = events[k] if k < len(events) and events[k]["kind"] == w["kind"] else {}
+        damage: dict[str, Any] = e["damage"] if isinstance(e.get("damage"), dict) else {}
+        shape = e.get("shape") or e.get("mode") or damage.get("mode") or ""
+        if e.get("refused"):
+            shape += ", refused at start, rebuilt" if e.get("rebuilt") else ", refused at start"
         wrows.append(
-            f"<tr><td>{k}</td><td>{_esc(w['kind'])}</td><td>{_esc(w.get('targets'))}</td>"
+            f"<tr><td>{k}</td><td>{_esc(w['kind'])}</td><td>{_esc(shape)}</td>"
+            f"<td>{_esc(w.get('targets'))}</td>"
             f"<td>{_esc(w.get('duration_ms'))}</td><td>{_esc(w.get('rto_ms'))}</td>"
             f"<td>{_esc(w.get('unrecovered'))}</td></tr>"
         )
@@ -236,7 +245,7 @@ pre{{background:#f6f6f6;padding:8px;overflow:auto;max-height:400px}}</style></he
 <h2>Latency</h2>{latency_svg(history)}
 <h2>Throughput</h2>{throughput_svg(history, rec)}
 <h2>Recovery</h2>{rto_svg(rec)}
-<table><tr><th>#</th><th>fault</th><th>targets</th><th>duration ms</th><th>RTO ms</th>
+<table><tr><th>#</th><th>fault</th><th>shape</th><th>targets</th><th>duration ms</th><th>RTO ms</th>
 <th>unrecovered</th></tr>{"".join(wrows)}</table>
 <p>Unavailability outside fault windows: <code>{_esc(json.dumps(rec.get("unavailability", [])))}</code></p>
 <h2>Queue anomalies (examples)</h2><pre>{_esc(examples)}</pre>

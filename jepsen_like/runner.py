@@ -74,6 +74,7 @@ class Runner:
         self.notes: list[str] = []
         self.cluster: Cluster | None = None
         self.netns = False
+        self.used_netns = False
         self.exits: list[dict[str, Any]] = []
         self.nem: Nemesis | None = None
 
@@ -93,6 +94,7 @@ class Runner:
                 self.log(f"cleanup: {line}")
             net.setup(range(1, cfg.nodes + cfg.learners + 1))
             self.netns = True
+            self.used_netns = True
             self.log(f"network namespaces ready: bridge {net.BRIDGE}, nodes on {net.SUBNET}.x")
         else:
             msg = f"network namespaces unavailable ({why}): nodes run on 127.0.0.1"
@@ -318,7 +320,7 @@ class Runner:
             "nemesis": cfg.nemesis,
             "time_limit_s": cfg.time_limit_s,
             "seed": cfg.seed,
-            "netns": self.netns,
+            "netns": self.used_netns,
             "notes": "; ".join(self.notes),
             "ops_by_f": getattr(self, "stats", {}),
             "nemesis_events": getattr(self, "nemesis_events", []),

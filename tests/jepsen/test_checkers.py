@@ -754,3 +754,22 @@ def test_one_corrupted_read_in_a_generated_history_is_found(seed: int) -> None:
     assert res["verdict"] == "invalid"
     bad = res["keys"][res["invalid_keys"][0]]
     assert bad["window"] is not None and len(bad["window"]) <= 4, bad
+
+
+def test_a_group_offset_read_back_below_an_acknowledged_commit_is_a_regression() -> None:
+    def hist(read_back: int) -> History:
+        def fn(w: Writer) -> None:
+            w.invoke(1, "commit_offset", K, offset=12, group="g", time_ns=10)
+            w.ok(1, time_ns=20)
+            w.invoke(1, "commit_offset", K, offset=20, group="g", time_ns=30)
+            w.info(1, time_ns=40)  # may or may not have landed
+            w.invoke(1, "seek", K, offset=0, group="g", time_ns=50)
+            w.ok(1, offset=read_back, time_ns=60)
+
+        return build(fn)
+
+    assert queue.check(hist(12))["verdict"] == "valid"
+    assert queue.check(hist(20))["verdict"] == "valid"
+    q = queue.check(hist(7))
+    assert q["anomaly_types"] == ["offset-regression"]
+    assert q["examples"]["offset-regression"][0]["committed"] == 12

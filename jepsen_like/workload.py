@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,7 +184,6 @@ class Workload:
         pollers: int,
         seed: int,
         op_timeout_s: float,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.w = writer
         self.http = http
@@ -200,7 +198,6 @@ class Workload:
         self.stop = asyncio.Event()
         self.high: dict[int, int] = dict.fromkeys(range(queues), 0)  # highest acked offset + 1
         self._next_process = 0
-        self.clock = clock
 
     def _process(self) -> int:
         p = self._next_process
@@ -415,7 +412,7 @@ class Workload:
         for q in range(self.queues):
             offset = 0
             while time.monotonic() < end_at:
-                st, pairs, nxt = await self.read_once(
+                st, pairs, _ = await self.read_once(
                     process,
                     q,
                     offset,
@@ -432,7 +429,6 @@ class Workload:
                 if not pairs or len(pairs) < 500:
                     break
                 offset = pairs[-1][0] + 1
-                del nxt
             else:
                 complete = False
         return complete

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import random
@@ -91,6 +92,47 @@ def _save_pids(pids: dict[str, dict[str, int]]) -> None:
     tmp = PIDS_FILE.with_suffix(".tmp")
     tmp.write_text(json.dumps(pids))
     tmp.replace(PIDS_FILE)
+
+
+class RunLock:
+    """One harness run per machine: namespaces, the bridge and the PID file
+    are machine-wide, and a run's start-up cleanup would destroy a live
+    run's cluster. ``acquire`` waits for a running one to finish (the lock
+    dies with its process, so a crashed run never blocks the next)."""
+
+    def __init__(self) -> None:
+        self._fh: Any = None
+
+    def acquire(self, wait_s: float, log: Any) -> bool:
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        self._fh = open(STATE_DIR / "lock", "a+")  # noqa: SIM115 - held for the run
+        deadline = time.monotonic() + wait_s
+        said = False
+        while True:
+            try:
+                fcntl.flock(self._fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                if not said:
+                    self._fh.seek(0)
+                    holder = self._fh.read().strip() or "?"
+                    log(f"another jepsen_like run (pid {holder}) holds the machine: waiting")
+                    said = True
+                time.sleep(1.0)
+                continue
+            self._fh.seek(0)
+            self._fh.truncate()
+            self._fh.write(str(os.getpid()))
+            self._fh.flush()
+            return True
+
+    def release(self) -> None:
+        if self._fh is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._fh.fileno(), fcntl.LOCK_UN)
+            self._fh.close()
+            self._fh = None
 
 
 def kill_stale() -> list[int]:

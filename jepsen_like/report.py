@@ -196,6 +196,7 @@ def html_report(results: dict[str, Any], history: History) -> str:
                 "max_rto_ms",
                 "unrecovered_windows",
                 "unexpected_exits",
+                "warnings",
             )
             if k in r
         }

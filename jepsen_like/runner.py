@@ -36,7 +36,7 @@ import orjson
 from jepsen_like import net
 from jepsen_like.checkers import check_history, combine
 from jepsen_like.checkers.recovery import RecoveryConfig
-from jepsen_like.control import Cluster, find_libfaketime, kill_stale
+from jepsen_like.control import Cluster, RunLock, find_libfaketime, kill_stale
 from jepsen_like.history import Writer, read_history
 from jepsen_like.nemesis import ALL_KINDS, Nemesis
 from jepsen_like.report import html_report
@@ -60,6 +60,7 @@ class RunConfig:
     quiet_s: tuple[float, float] = (2.0, 4.0)
     op_timeout_s: float = 3.0
     recovery_s: float = 8.0
+    lock_wait_s: float = 900.0
     node_env: dict[str, str] = field(default_factory=dict)
     node_settings: dict[str, int | str] = field(default_factory=dict)
     use_netns: bool = True
@@ -77,6 +78,8 @@ class Runner:
         self.used_netns = False
         self.exits: list[dict[str, Any]] = []
         self.nem: Nemesis | None = None
+        self.lock = RunLock()
+        self.warnings: list[dict[str, Any]] = []
 
     def log(self, msg: str) -> None:
         if not self.cfg.quiet:
@@ -86,6 +89,10 @@ class Runner:
     def _prepare(self) -> list[str]:
         cfg = self.cfg
         kinds = list(cfg.nemesis)
+        if not self.lock.acquire(cfg.lock_wait_s, self.log):
+            raise RuntimeError(
+                f"another jepsen_like run held the machine for {cfg.lock_wait_s:.0f} s"
+            )
         for pid in kill_stale():
             self.log(f"killed stale node process {pid} from an earlier run")
         why = net.available() if cfg.use_netns else "disabled by --no-netns"
@@ -117,6 +124,7 @@ class Runner:
             with contextlib.suppress(Exception):
                 net.cleanup()
             self.netns = False
+        self.lock.release()
 
     # -- the run -------------------------------------------------------------------------------
     def run(self) -> int:
@@ -260,10 +268,22 @@ class Runner:
     async def _note_exits(self, c: Cluster, nem: Nemesis | None) -> None:
         for rec in c.check_exits():
             node = rec["node"]
-            if nem is not None and node in nem.corrupted and rec["exit_code"] == 2:
+            if nem is not None and node in nem.corrupted:
                 # Damage found after start-up (a record outside the verified
-                # tail was read): the node stopped instead of serving it.
-                self.log(f"node {node} found its damaged data later (exit 2); rebuilding it")
+                # tail was read, or LMDB hit a damaged page): the node stopped
+                # instead of serving it. The CLI promises exit 2 for damaged
+                # data; anything else is reported as a warning.
+                code = rec["exit_code"]
+                self.log(f"node {node} found its damaged data later (exit {code}); rebuilding it")
+                if code != 2:
+                    self.warnings.append(
+                        {
+                            "node": node,
+                            "warning": f"a node with damaged data stopped with exit code {code}, "
+                            "not 2 (StorageCorrupted)",
+                            "log_tail": rec["log_tail"],
+                        }
+                    )
                 st = await c.statuses()
                 term = max((int(s.get("term", 0)) for s in st.values()), default=0)
                 info: dict[str, Any] = {"late_detection": True}
@@ -312,6 +332,7 @@ class Runner:
             "checker": "nodes",
             "verdict": nodes_verdict,
             "unexpected_exits": self.exits,
+            "warnings": self.warnings,
         }
         results["verdict"] = combine([r["verdict"] for r in results["checkers"].values()])
         results["run"] = {

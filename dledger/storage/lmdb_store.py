@@ -380,6 +380,15 @@ class LmdbStorage:
             self._epoch_db = self._env.open_db(b"epochs")
             self._recover(full=verify == "full", tail=verify_tail)
             faults.lose_unsynced_tail(self)  # planted bug skip_fsync (dledger/faults.py)
+        except _LMDB_DAMAGE as exc:
+            # A damaged B-tree page met while verifying (e.g. MDB_CORRUPTED
+            # from a cursor) is damage like a bad CRC: the replica must be rebuilt.
+            self._env.close()
+            self._closed = True
+            raise StorageCorrupted(
+                f"LMDB reported damage while opening {self.path}: {exc}; "
+                "rebuild this replica from its peers"
+            ) from exc
         except BaseException:
             # Never leak the environment (and its lock) on a failed open.
             self._env.close()

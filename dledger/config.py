@@ -51,6 +51,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Literal, cast
 
+from dledger import faults
 from dledger.core.types import ClusterConfig, RaftConfig
 from dledger.errors import ConfigError
 from dledger.transport.frames import DEFAULT_MAX_FRAME_SIZE
@@ -214,6 +215,7 @@ class NodeConfig:
             max_apply_bytes=self.max_apply_bytes,
             transfer_max_lag=self.transfer_max_lag,
             snapshot_trailing_entries=self.snapshot_trailing_entries,
+            faults=faults.core_faults(),  # planted bugs, tests only (dledger/faults.py)
         )
 
     def validate(self) -> None:

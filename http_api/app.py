@@ -58,6 +58,7 @@ from broker_adapter.state import (
     StoredMessage,
     TopicInfo,
 )
+from dledger import faults
 from dledger.admin_http import BadRequest, Unprocessable
 from dledger.config import DEFAULT_PUBLIC_PATHS
 from dledger.core.types import Role
@@ -330,6 +331,8 @@ class BrokerApi:
             auto_create_queues=auto,
             limits=self.limits,
         )
+        if faults.on(faults.ACK_BEFORE_COMMIT):  # planted bug (dledger/faults.py), tests only
+            return json_response(faults.ack_before_commit(self.node, self.sm.broker, topic, msgs, data))
         res = await self._propose(request, data)
         assert isinstance(res, ProduceResult)
         return json_response(
@@ -366,7 +369,7 @@ class BrokerApi:
                 f"consistency must be 'committed' or 'linearizable', got {consistency!r}",
                 field="consistency",
             )
-        if consistency == "linearizable":
+        if consistency == "linearizable" and not faults.on(faults.LIN_READ_NO_LEASE):  # planted bug
             timeout = self._timeout_s(request)
             try:
                 async with asyncio.timeout(timeout):

@@ -101,6 +101,7 @@ FAULT_VOTE_DESPITE_LEADER = "vote_despite_leader"  # no stickiness
 FAULT_LEASE_IGNORES_EXPIRY = "lease_ignores_expiry"  # serve reads under an expired lease
 FAULT_TRUNCATE_WITHOUT_CONFLICT = "truncate_without_conflict"  # SCENARIOS 6
 FAULT_INSTALL_STALE_SNAPSHOT = "install_stale_snapshot"  # SCENARIOS 9: roll back to it
+FAULT_FOLLOWER_COMMITS_AHEAD = "follower_commits_ahead"  # SCENARIOS 16 (dledger/faults.py)
 CORE_FAULTS = frozenset(
     {
         FAULT_COMMIT_OLD_TERM,
@@ -109,6 +110,7 @@ CORE_FAULTS = frozenset(
         FAULT_LEASE_IGNORES_EXPIRY,
         FAULT_TRUNCATE_WITHOUT_CONFLICT,
         FAULT_INSTALL_STALE_SNAPSHOT,
+        FAULT_FOLLOWER_COMMITS_AHEAD,
     }
 )
 
@@ -742,7 +744,8 @@ class RawNode:
                             f"entry {conflict} conflicts with a committed entry"
                         )
                     self.log.append(m.entries[conflict - m.index - 1 :])
-            self.log.commit_to(min(m.commit, last_new))
+            ahead = FAULT_FOLLOWER_COMMITS_AHEAD in self._faults  # planted bug: no leader commit
+            self.log.commit_to(last_new if ahead else min(m.commit, last_new))
             self._send(Message(MsgType.APP_RESP, m.frm, self.id, self.term, index=last_new))
         else:
             hint = min(m.index, self.log.last_index())

@@ -122,6 +122,7 @@ from typing import Literal, TypeAlias
 
 import lmdb
 
+from dledger import faults
 from dledger.core.codec import decode_entry, encode_entry
 from dledger.core.types import ClusterConfig, Entry, HardState, Snapshot, SnapshotMeta
 from dledger.errors import (
@@ -360,7 +361,7 @@ class LmdbStorage:
 
         os.makedirs(self.path, exist_ok=True)
         _check_data_file_size(os.path.join(self.path, "data.mdb"))
-        durable = flush == "sync"
+        durable = flush == "sync" and not faults.on(faults.SKIP_FSYNC)  # planted bug
         try:
             self._env = lmdb.open(
                 self.path,
@@ -384,6 +385,16 @@ class LmdbStorage:
             self._meta_db = self._env.open_db(b"meta")
             self._epoch_db = self._env.open_db(b"epochs")
             self._recover(full=verify == "full", tail=verify_tail)
+            faults.lose_unsynced_tail(self)  # planted bug skip_fsync (dledger/faults.py)
+        except _LMDB_DAMAGE as exc:
+            # A damaged B-tree page met while verifying (e.g. MDB_CORRUPTED
+            # from a cursor) is damage like a bad CRC: the replica must be rebuilt.
+            self._env.close()
+            self._closed = True
+            raise StorageCorrupted(
+                f"LMDB reported damage while opening {self.path}: {exc}; "
+                "rebuild this replica from its peers"
+            ) from exc
         except BaseException:
             # Never leak the environment (and its lock) on a failed open.
             self._env.close()

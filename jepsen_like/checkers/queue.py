@@ -22,6 +22,10 @@ key:
   offset is the previous one + 1. A ``seek`` sets the expected next offset;
   an ``info`` poll or seek forgets it (the server may have moved the
   position); the first poll of a session sets it.
+* ``offset-regression``: a consumer group's committed offset, read back
+  by an ``ok`` ``seek`` that names the group, is below an offset the
+  group committed (``ok`` ``commit_offset``) before that seek was invoked
+  (SCENARIOS 15: offsets committed through the log never jump back).
 * ``stale-read``: a linearizable read whose result reaches the end of the
   log (``Operation.reached_end``) but ends below an offset whose produce
   was acknowledged before the read was invoked.
@@ -50,6 +54,7 @@ ANOMALIES = (
     "nonmonotonic-poll",
     "unseen",
     "stale-read",
+    "offset-regression",
 )
 
 
@@ -168,6 +173,7 @@ def _check_key(key: str, ops: list[Operation], any_final: bool, out: _Anomalies)
 
     _check_polls(key, ops, out)
     _check_stale(key, ops, out)
+    _check_group_offsets(key, ops, out)
 
 
 def _check_polls(key: str, ops: list[Operation], out: _Anomalies) -> None:
@@ -249,6 +255,40 @@ def _check_stale(key: str, ops: list[Operation], out: _Anomalies) -> None:
                     "read_max_offset": seen_max,
                     "acked_offset": acked_off,
                     "acked_by": _brief(acked_op),
+                },
+            )
+
+
+def _check_group_offsets(key: str, ops: list[Operation], out: _Anomalies) -> None:
+    commits: dict[str, list[tuple[int, int, Operation]]] = defaultdict(list)
+    for op in ops:
+        if (
+            op.f == "commit_offset"
+            and op.status == "ok"
+            and op.group is not None
+            and op.offset is not None
+            and op.complete_ns is not None
+        ):
+            commits[op.group].append((op.complete_ns, op.offset, op))
+    for group_commits in commits.values():
+        group_commits.sort(key=lambda c: c[0])
+    for op in ops:
+        if op.f != "seek" or op.status != "ok" or op.group is None or op.offset is None:
+            continue
+        before = [c for c in commits.get(op.group, []) if c[0] < op.invoke_ns]
+        if not before:
+            continue
+        _, high, by = max(before, key=lambda c: c[1])
+        if op.offset < high:
+            out.add(
+                "offset-regression",
+                {
+                    "key": key,
+                    "group": op.group,
+                    "read_back": op.offset,
+                    "committed": high,
+                    "seek": _brief(op),
+                    "commit": _brief(by),
                 },
             )
 

@@ -722,3 +722,54 @@ def test_python_dash_m_entry_point() -> None:
     assert proc.returncode == 1, proc.stderr
     out = json.loads(proc.stdout)
     assert out["checkers"]["linearizable"]["invalid_keys"] == [K]
+
+
+# --------------------------------------------------------------------------- generated at scale
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_generated_multi_key_histories_with_info_ops_are_valid(seed: int) -> None:
+    from jepsen_like.bench import generate
+
+    h = parse_history(generate(3000, keys=4, info=0.2, concurrency=8, seed=seed))
+    assert sum(op.status == "info" for op in h.ops) > 300
+    res = linearizable.check(h, LinConfig(max_seconds=None))
+    assert res["verdict"] == "valid", res["invalid_keys"]
+    assert queue.check(h)["verdict"] == "valid"
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_one_corrupted_read_in_a_generated_history_is_found(seed: int) -> None:
+    from jepsen_like.bench import generate
+
+    lines = generate(2000, keys=4, info=0.1, concurrency=8, seed=seed)
+    recs = [json.loads(x) for x in lines]
+    # Change the value of one ok read result that is not the last one of its op.
+    victim = next(
+        r for r in recs[len(recs) // 2 :] if r["type"] == "ok" and r["f"] == "read" and r["value"]
+    )
+    victim["value"][0][1] = "never-written"
+    h = parse_history(json.dumps(r) for r in recs)
+    res = linearizable.check(h, LinConfig(max_seconds=None))
+    assert res["verdict"] == "invalid"
+    bad = res["keys"][res["invalid_keys"][0]]
+    assert bad["window"] is not None and len(bad["window"]) <= 4, bad
+
+
+def test_a_group_offset_read_back_below_an_acknowledged_commit_is_a_regression() -> None:
+    def hist(read_back: int) -> History:
+        def fn(w: Writer) -> None:
+            w.invoke(1, "commit_offset", K, offset=12, group="g", time_ns=10)
+            w.ok(1, time_ns=20)
+            w.invoke(1, "commit_offset", K, offset=20, group="g", time_ns=30)
+            w.info(1, time_ns=40)  # may or may not have landed
+            w.invoke(1, "seek", K, offset=0, group="g", time_ns=50)
+            w.ok(1, offset=read_back, time_ns=60)
+
+        return build(fn)
+
+    assert queue.check(hist(12))["verdict"] == "valid"
+    assert queue.check(hist(20))["verdict"] == "valid"
+    q = queue.check(hist(7))
+    assert q["anomaly_types"] == ["offset-regression"]
+    assert q["examples"]["offset-regression"][0]["committed"] == 12

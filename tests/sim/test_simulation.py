@@ -7,6 +7,7 @@ import pytest
 
 from dledger.core.raft import (
     FAULT_COMMIT_OLD_TERM,
+    FAULT_FOLLOWER_COMMITS_AHEAD,
     FAULT_INSTALL_STALE_SNAPSHOT,
     FAULT_LEASE_IGNORES_EXPIRY,
     FAULT_SKIP_VOTE_PERSIST,
@@ -77,6 +78,7 @@ SWITCHES = [
     (FAULT_COMMIT_OLD_TERM, "figure8", 150),
     (FAULT_SKIP_VOTE_PERSIST, "vote-loss", 40),
     (FAULT_INSTALL_STALE_SNAPSHOT, "mixed", 20),
+    (FAULT_FOLLOWER_COMMITS_AHEAD, "mixed", 20),  # the harness's follower_reads_uncommitted
 ]
 
 

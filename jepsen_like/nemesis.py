@@ -1,0 +1,346 @@
+"""Nemeses: faults on real processes and real network namespaces.
+
+Theory of operation
+-------------------
+A :class:`Nemesis` runs one fault at a time: ``start`` (record the window
+start in the history, then act), hold for a while, ``heal`` (act, then
+record the stop). Every fault is healed before the next one starts and
+before final reads, so a window in the history is exactly the time the
+fault was in force (plus the recording latency).
+
+Kinds and shapes (targets are voters unless said otherwise):
+
+* ``kill``: SIGKILL of one node, a minority, a majority, the leader, or all
+  voters; healed by restarting them.
+* ``pause``: SIGSTOP of the same targets; healed by SIGCONT.
+* ``partition`` (network namespaces only): isolate one node, isolate the
+  leader, random halves, a bridge (two sides that only one node sees both
+  of), and with 5 voters the majorities ring (each node sees its two ring
+  neighbours: every node has a majority, no two majorities agree) and the
+  leader cut off with a minority of followers (it replicates, never commits);
+  healed by flushing every namespace's INPUT chain.
+* ``clock`` (libfaketime): one node is restarted under ``LD_PRELOAD`` with
+  its clocks offset (skew: wall and monotonic clocks both shifted by
+  -120..+120 s) or its wall clock strobing between two offsets; healed by
+  restarting it without. A monotonic clock that *jumps back* while running
+  is outside the lease's fault model (bounded drift, DESIGN.md), so the
+  strobe moves the wall clock only (``FAKETIME_DONT_FAKE_MONOTONIC``).
+* ``corrupt``: one node (a minority) is killed, its LMDB data file is
+  truncated or has bits flipped, and it is restarted. If it refuses to
+  start (it must, when it detects the damage), the replica is rebuilt from
+  its peers: its data directory is wiped and it rejoins empty. Wiping a
+  voter is only safe when (1) every other voter holds every committed
+  entry, so any majority the empty node joins still contains the log, and
+  (2) the cluster's term has moved past every term the node could have voted
+  in, so it cannot vote twice in one term. The nemesis waits for (1) by
+  comparing the others' commit indexes with the leader's, and for (2) by
+  asking for a leadership transfer (which starts a new term) until the
+  leader's term is above the highest term it saw before the kill. Only
+  one node is ever corrupted at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from jepsen_like import net
+from jepsen_like.control import Cluster
+from jepsen_like.history import Writer
+
+ALL_KINDS = ("kill", "pause", "partition", "clock", "corrupt")
+
+
+class Nemesis:
+    def __init__(
+        self,
+        cluster: Cluster,
+        writer: Writer,
+        rng: random.Random,
+        kinds: list[str],
+        *,
+        log: Callable[[str], None],
+        libfaketime: str | None,
+        shapes: dict[str, list[str]] | None = None,
+    ) -> None:
+        self.c = cluster
+        self.w = writer
+        self.rng = rng
+        self.kinds = kinds
+        self.log = log
+        self.libfaketime = libfaketime
+        self.shapes = shapes or {}
+        # Corrupted nodes not rebuilt since: their damage may still be found later.
+        self.corrupted: set[int] = set()
+        self.count: dict[str, int] = {}
+        self.events: list[dict[str, Any]] = []
+        self._heal: Callable[[], Any] | None = None
+        self._open: tuple[str, list[int], dict[str, Any]] | None = None
+        self._strobe: asyncio.Task[None] | None = None
+        self._strobe_file: Path | None = None
+
+    # -- targets ------------------------------------------------------------
+    def _pick(self, kind: str, default: list[str], k: int) -> str:
+        """The k-th shape of ``kind``: round robin over the configured shapes."""
+        chosen = self.shapes.get(kind) or default
+        bad = [s for s in chosen if s not in default]
+        if bad:
+            raise ValueError(f"unknown {kind} shape(s) {bad} (known: {default})")
+        return chosen[k % len(chosen)]
+
+    def _shape_targets(self, shape: str, leader: int | None) -> list[int]:
+        v = list(self.c.voters)
+        n = len(v)
+        if shape == "one":
+            return [self.rng.choice(self.c.ids)]
+        if shape == "leader":
+            return [leader] if leader is not None else [self.rng.choice(v)]
+        if shape == "minority":
+            return sorted(self.rng.sample(v, (n - 1) // 2))
+        if shape == "majority":
+            return sorted(self.rng.sample(v, n // 2 + 1))
+        if shape == "all":
+            return v
+        raise ValueError(shape)
+
+    def _record(self, f: str, kind: str, targets: list[int], **extra: Any) -> None:
+        self.w.nemesis(f, kind, targets, **extra)  # type: ignore[arg-type]
+
+    # -- one fault ---------------------------------------------------------------
+    async def start(self, kind: str) -> None:
+        assert self._open is None
+        leader = await self.c.leader()
+        k = self.count.get(kind, 0)
+        self.count[kind] = k + 1
+        if kind == "kill":
+            shape = self._pick(kind, ["leader", "majority", "one", "minority", "all"], k)
+            targets = self._shape_targets(shape, leader)
+            self._record("start", kind, targets, shape=shape)
+            for t in targets:
+                self.c.kill(t)
+            info: dict[str, Any] = {"shape": shape}
+
+            async def heal_kill() -> None:
+                for t in targets:
+                    self.c.start(t)
+
+            self._heal = heal_kill
+        elif kind == "pause":
+            shape = self._pick(kind, ["leader", "majority", "one", "minority"], k)
+            targets = self._shape_targets(shape, leader)
+            self._record("start", kind, targets, shape=shape)
+            for t in targets:
+                self.c.signal(t, signal.SIGSTOP)
+            info = {"shape": shape}
+
+            async def heal_pause() -> None:
+                for t in targets:
+                    self.c.signal(t, signal.SIGCONT)
+
+            self._heal = heal_pause
+        elif kind == "partition":
+            shapes = ["isolate-leader", "halves", "bridge", "isolate-one"]
+            if len(self.c.voters) >= 5:
+                shapes.insert(2, "majorities-ring")
+                shapes.append("leader-minority")
+            shape = self._pick(kind, shapes, k)
+            grudge, targets = self._grudge(shape, leader)
+            self._record(
+                "start",
+                kind,
+                targets,
+                shape=shape,
+                grudge={str(a): sorted(b) for a, b in grudge.items() if b},
+            )
+            net.apply_grudge(grudge)
+            info = {"shape": shape, "grudge": {a: sorted(b) for a, b in grudge.items()}}
+
+            async def heal_partition() -> None:
+                net.heal(self.c.ids)
+
+            self._heal = heal_partition
+        elif kind == "clock":
+            targets = [self.rng.choice(self.c.ids)]
+            mode = self._pick(kind, ["skew", "strobe"], k)
+            env = self._faketime_env(mode, targets[0])
+            self._record("start", kind, targets, mode=mode, faketime=env.get("FAKETIME", ""))
+            self.c.kill(targets[0])
+            self.c.start(targets[0], extra_env=env)
+            if mode == "strobe":
+                self._strobe = asyncio.create_task(self._strobe_loop())
+            info = {"mode": mode, "env": {k2: v for k2, v in env.items() if k2 != "LD_PRELOAD"}}
+
+            async def heal_clock() -> None:
+                if self._strobe is not None:
+                    self._strobe.cancel()
+                    self._strobe = None
+                self.c.kill(targets[0])
+                self.c.start(targets[0])
+
+            self._heal = heal_clock
+        elif kind == "corrupt":
+            targets = [self.rng.choice(self.c.voters)]
+            before = await self.c.statuses()
+            max_term = max((int(s.get("term", 0)) for s in before.values()), default=0)
+            self._record("start", kind, targets)
+            self.c.kill(targets[0])
+            damage = self.c.corrupt(targets[0], self.rng)
+            self.corrupted.add(targets[0])
+            self.c.start(targets[0])
+            info = {"damage": damage, "max_term_before": max_term}
+
+            async def heal_corrupt() -> None:
+                await self._settle_corrupt(targets[0], max_term, info)
+
+            self._heal = heal_corrupt
+        else:
+            raise ValueError(f"unknown nemesis kind {kind!r}")
+        self._open = (kind, targets, info)
+        self.log(f"nemesis start {kind} {targets} {_brief(info)}")
+
+    async def heal(self) -> None:
+        if self._open is None:
+            return
+        kind, targets, info = self._open
+        assert self._heal is not None
+        await self._heal()
+        self._heal = None
+        self._open = None
+        extra = {k: v for k, v in info.items() if k in ("rebuilt", "refused", "damage")}
+        self._record("stop", kind, targets, **extra)
+        self.events.append({"kind": kind, "targets": targets, **info})
+        self.log(f"nemesis stop  {kind} {targets}")
+
+    # -- partitions --------------------------------------------------------------------
+    def _grudge(self, shape: str, leader: int | None) -> tuple[dict[int, set[int]], list[int]]:
+        ids = self.c.ids
+        v = list(self.c.voters)
+        if shape in ("isolate-leader", "isolate-one"):
+            t = leader if shape == "isolate-leader" and leader is not None else self.rng.choice(v)
+            return net.complete_grudge([[t]], ids), [t]
+        if shape == "leader-minority":
+            # The leader keeps a minority of followers: it can replicate to
+            # them but never commit; the majority elects another leader.
+            t = leader if leader is not None else self.rng.choice(v)
+            rest = [x for x in v if x != t]
+            side = [t, *self.rng.sample(rest, max(0, (len(v) - 1) // 2 - 1))]
+            return net.complete_grudge([side], ids), sorted(side)
+        if shape == "halves":
+            shuffled = ids[:]
+            self.rng.shuffle(shuffled)
+            half = len(shuffled) // 2
+            a, b = shuffled[:half], shuffled[half:]
+            return net.complete_grudge([a, b], ids), sorted(a)
+        if shape == "bridge":
+            shuffled = v[:]
+            self.rng.shuffle(shuffled)
+            mid = len(shuffled) // 2
+            bridge = shuffled[mid]
+            a, b = shuffled[:mid], shuffled[mid + 1 :]
+            grudge: dict[int, set[int]] = {i: set() for i in ids}
+            for x in a:
+                grudge[x] |= set(b)
+            for y in b:
+                grudge[y] |= set(a)
+            return grudge, [bridge]
+        if shape == "majorities-ring":
+            ring = v[:]
+            self.rng.shuffle(ring)
+            n = len(ring)
+            grudge = {i: set() for i in ids}
+            for k, x in enumerate(ring):
+                near = {ring[(k - 1) % n], ring[(k + 1) % n], x}
+                grudge[x] = set(v) - near
+            return grudge, ring
+        raise ValueError(shape)
+
+    # -- clocks ---------------------------------------------------------------------------
+    def _faketime_env(self, mode: str, node: int) -> dict[str, str]:
+        assert self.libfaketime is not None
+        env = {"LD_PRELOAD": self.libfaketime}
+        if mode == "skew":
+            secs = self.rng.choice([-1, 1]) * self.rng.randint(5, 120)
+            env["FAKETIME"] = f"{secs:+d}s"
+            return env
+        path = self.c.root / f"faketime-{node}.txt"
+        path.write_text("+0s\n")
+        self._strobe_file = path
+        env.update(
+            FAKETIME_TIMESTAMP_FILE=str(path),
+            FAKETIME_CACHE_DURATION="1",
+            FAKETIME_DONT_FAKE_MONOTONIC="1",
+        )
+        return env
+
+    async def _strobe_loop(self) -> None:
+        assert self._strobe_file is not None
+        offsets = ["+0s", f"+{self.rng.randint(30, 300)}s", f"-{self.rng.randint(30, 300)}s"]
+        k = 0
+        while True:
+            await asyncio.sleep(0.5)
+            k += 1
+            self._strobe_file.write_text(offsets[k % len(offsets)] + "\n")
+
+    # -- corruption ---------------------------------------------------------------------------
+    async def _settle_corrupt(self, node: int, max_term: int, info: dict[str, Any]) -> None:
+        deadline = time.monotonic() + 4.0
+        while time.monotonic() < deadline and self.c.alive(node):
+            await asyncio.sleep(0.2)
+        if self.c.alive(node):
+            info["refused"] = False
+            return
+        proc = self.c.members[node].proc
+        rc = proc.poll() if proc is not None else None
+        info["refused"] = True
+        info["exit_code"] = rc
+        self.c.members[node].expected_exit = True
+        self.log(f"node {node} refused its damaged data (exit {rc}); rebuilding it from its peers")
+        await self.rebuild(node, max_term, info)
+
+    async def rebuild(self, node: int, max_term: int, info: dict[str, Any]) -> None:
+        """Wipe ``node`` (stopped, a minority of one) and restart it empty, once safe."""
+        others = [v for v in self.c.voters if v != node]
+        # Everything committed before the kill is at or below every commit
+        # index reported now; entries committed later never counted the
+        # damaged node, and a majority of the others holds them.
+        floor: int | None = None
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            st = await self.c.statuses()
+            if floor is None and st:
+                floor = max(int(s.get("commit", 0)) for s in st.values())
+            lead = next((i for i, s in st.items() if s.get("role") == "leader"), None)
+            if lead is None or floor is None:
+                await asyncio.sleep(0.3)
+                continue
+            term = int(st[lead].get("term", 0))
+            if term <= max_term:
+                to = self.rng.choice([o for o in others if o != lead])
+                await self.c.transfer_leadership(lead, to)
+                await asyncio.sleep(0.5)
+                continue
+            if all(o in st and int(st[o].get("commit", 0)) >= floor for o in others):
+                info["rebuild_commit_floor"] = floor
+                info["rebuild_term"] = term
+                break
+            await asyncio.sleep(0.3)
+        else:
+            info["rebuilt"] = False
+            self.log(f"node {node}: could not make a rebuild safe in 60 s; leaving it down")
+            return
+        self.c.wipe(node)
+        self.c.start(node)
+        self.corrupted.discard(node)
+        info["rebuilt"] = True
+
+
+def _brief(info: dict[str, Any]) -> str:
+    keep = {k: v for k, v in info.items() if k in ("shape", "mode", "damage")}
+    if "damage" in keep and isinstance(keep["damage"], dict):
+        keep["damage"] = keep["damage"].get("mode")
+    return " ".join(f"{k}={v}" for k, v in keep.items())

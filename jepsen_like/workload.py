@@ -1,0 +1,455 @@
+"""Client workers: producers, readers, consumer-group pollers and final reads.
+
+Theory of operation
+-------------------
+Every worker is one logical *process* of the history: it has at most one
+operation outstanding, records ``invoke`` before sending and ``ok`` /
+``fail`` / ``info`` when it knows the outcome (:class:`~jepsen_like.history.Writer`).
+Workers talk plain HTTP to a random node and follow ``307`` redirects to the
+leader themselves (a redirect hop has no effect, so following it stays one
+operation).
+
+Outcome rules (what the server's error table promises, and nothing more):
+
+* a request that got no response (timeout, reset, refused after sending is
+  indistinguishable) is ``info`` for a produce, and ``info`` for a read;
+  a connection refused before anything was sent is ``fail``;
+* ``504`` (outcome unknown: not applied within the timeout, leadership lost
+  after proposing) and a ``5xx`` we do not know are ``info``;
+* ``503`` (no leader, leader not ready, node stopped, transfer running),
+  ``429`` (overloaded) and ``4xx`` broker errors are ``fail``: the request
+  was refused before proposing, or the command was applied as a no-op;
+* a read at an offset past the end (``416`` with the queue's range) is an
+  ``ok`` read that found nothing there.
+
+Values are unique strings ``p<process>-<n>``; an idempotent producer that
+got ``info`` retries the *same* value with the same sequence number (a
+duplicate would then be a real anomaly), a few times, then registers a new
+producer id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from jepsen_like.history import Writer
+
+TOPIC = "jepsen"
+GROUP = "jepsen-group"
+
+
+def key_of(queue: int) -> str:
+    return f"{TOPIC}/{queue}"
+
+
+@dataclass
+class Reply:
+    """One HTTP exchange after redirects: a status and JSON body, or no answer."""
+
+    status: int | None
+    body: Any = None
+    error: str | None = None
+    sent: bool = True  # False: certainly never reached a node
+    node: str | None = None
+
+
+@dataclass
+class Stats:
+    ok: int = 0
+    fail: int = 0
+    info: int = 0
+    by_f: dict[str, list[int]] = field(default_factory=dict)
+
+    def add(self, f: str, status: str) -> None:
+        row = self.by_f.setdefault(f, [0, 0, 0])
+        k = ("ok", "fail", "info").index(status)
+        row[k] += 1
+        if status == "ok":
+            self.ok += 1
+        elif status == "fail":
+            self.fail += 1
+        else:
+            self.info += 1
+
+
+class Http:
+    """Redirect-following JSON over aiohttp, with a per-request deadline."""
+
+    def __init__(self, nodes: list[str], timeout_s: float) -> None:
+        self.nodes = nodes
+        self.timeout_s = timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    async def open(self) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def call(
+        self,
+        method: str,
+        path: str,
+        *,
+        node: str | None = None,
+        json: Any = None,
+        timeout_s: float | None = None,
+        rng: random.Random | None = None,
+    ) -> Reply:
+        assert self._session is not None
+        host = node or (rng or random).choice(self.nodes)
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        url = f"http://{host}{path}"
+        for _hop in range(4):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return Reply(None, error="timeout", node=host)
+            try:
+                async with self._session.request(
+                    method,
+                    url,
+                    json=json,
+                    allow_redirects=False,
+                    timeout=aiohttp.ClientTimeout(total=left),
+                ) as r:
+                    if r.status in (307, 308) and "Location" in r.headers:
+                        url = r.headers["Location"]
+                        host = url.split("/")[2]
+                        continue
+                    try:
+                        body = await r.json(content_type=None)
+                    except ValueError:
+                        body = None
+                    return Reply(r.status, body, node=host)
+            except aiohttp.ClientConnectorError as e:
+                # Refused or unreachable before the request left: nothing sent.
+                return Reply(None, error=f"connect: {e.os_error}", sent=False, node=host)
+            except TimeoutError:
+                return Reply(None, error="timeout", node=host)
+            except aiohttp.ClientError as e:
+                return Reply(None, error=f"{type(e).__name__}: {e}", node=host)
+        return Reply(503, {"error": {"code": "TOO_MANY_REDIRECTS"}}, node=host)
+
+
+def _err(reply: Reply) -> str:
+    if reply.status is None:
+        return reply.error or "no response"
+    code = ""
+    if isinstance(reply.body, dict) and isinstance(reply.body.get("error"), dict):
+        code = str(reply.body["error"].get("code", ""))
+    return f"{reply.status} {code}".strip()
+
+
+def write_outcome(reply: Reply) -> str:
+    """ok / fail / info for a request that may have changed the log."""
+    if reply.status is None:
+        return "fail" if not reply.sent else "info"
+    if 200 <= reply.status < 300:
+        return "ok"
+    if reply.status in (503, 429) or 400 <= reply.status < 500:
+        code = _err(reply)
+        return "info" if "STORAGE_CORRUPTED" in code else "fail"
+    return "info"
+
+
+def read_outcome(reply: Reply) -> str:
+    if reply.status is None:
+        return "fail" if not reply.sent else "info"
+    if reply.status == 200:
+        return "ok"
+    return "info" if reply.status >= 500 and reply.status not in (503,) else "fail"
+
+
+class Workload:
+    """Runs every worker until ``stop`` is set."""
+
+    def __init__(
+        self,
+        writer: Writer,
+        http: Http,
+        *,
+        queues: int,
+        producers: int,
+        idempotent_producers: int,
+        readers: int,
+        pollers: int,
+        seed: int,
+        op_timeout_s: float,
+    ) -> None:
+        self.w = writer
+        self.http = http
+        self.queues = queues
+        self.producers = producers
+        self.idempotent = idempotent_producers
+        self.readers = readers
+        self.pollers = pollers
+        self.seed = seed
+        self.timeout_ms = int(op_timeout_s * 1000 * 0.8)
+        self.stats = Stats()
+        self.stop = asyncio.Event()
+        self.high: dict[int, int] = dict.fromkeys(range(queues), 0)  # highest acked offset + 1
+        self._next_process = 0
+
+    def _process(self) -> int:
+        p = self._next_process
+        self._next_process += 1
+        return p
+
+    def _complete(self, status: str, process: int, f: str, **fields: Any) -> None:
+        self.w.complete(status, process, **fields)  # type: ignore[arg-type]
+        self.stats.add(f, status)
+
+    async def _pause(self, rng: random.Random) -> None:
+        await asyncio.sleep(rng.uniform(0.002, 0.02))
+
+    # -- produce -----------------------------------------------------------------
+    async def _register(self, rng: random.Random) -> tuple[int, int] | None:
+        r = await self.http.call("POST", "/v1/producers?timeout_ms=2000", json={}, rng=rng)
+        if r.status == 200 and isinstance(r.body, dict):
+            return int(r.body["producer_id"]), int(r.body.get("epoch", 0))
+        return None
+
+    async def producer(self, idempotent: bool) -> None:
+        """Unique values to random queues. An idempotent producer's op spans its
+        retries: it re-sends the same value with the same sequence number after
+        an unknown outcome (the server answers a repeat with the original
+        offsets), so the history holds one logical produce that took effect at
+        most once, somewhere between the first send and the final answer."""
+        process = self._process()
+        rng = random.Random(self.seed * 1000 + process)
+        n = 0
+        prod: tuple[int, int] | None = None
+        seqs: dict[int, int] = {}
+        while not self.stop.is_set():
+            if idempotent and prod is None:
+                prod = await self._register(rng)
+                seqs = {}
+                if prod is None:
+                    await asyncio.sleep(0.2)
+                    continue
+            q = rng.randrange(self.queues)
+            value = f"p{process}-{n}"
+            n += 1
+            body: dict[str, Any] = {"messages": [{"value": value, "encoding": "utf-8", "queue": q}]}
+            extra: dict[str, Any] = {}
+            if idempotent and prod is not None:
+                seq = seqs.get(q, 0)
+                body.update(producer_id=prod[0], epoch=prod[1], sequence=seq)
+                extra = {"producer_id": prod[0], "sequence": seq}
+            self.w.invoke(process, "produce", key_of(q), value=value, **extra)
+            maybe_happened = False
+            attempts = 0
+            while True:
+                attempts += 1
+                r = await self.http.call(
+                    "POST",
+                    f"/v1/topics/{TOPIC}/messages?timeout_ms={self.timeout_ms}",
+                    json=body,
+                    rng=rng,
+                )
+                st = write_outcome(r)
+                if st == "ok":
+                    try:
+                        off = int(r.body["messages"][0]["queue_offset"])
+                    except (KeyError, IndexError, TypeError, ValueError):
+                        st = "info"
+                    else:
+                        self._complete(
+                            "ok", process, "produce", offset=off, node=r.node, attempts=attempts
+                        )
+                        self.high[q] = max(self.high[q], off + 1)
+                        if idempotent:
+                            seqs[q] = seqs.get(q, 0) + 1
+                        break
+                maybe_happened = maybe_happened or st == "info"
+                broker_refused = r.status is not None and 400 <= r.status < 500 and r.status != 429
+                if not idempotent or broker_refused or attempts >= 5 or self.stop.is_set():
+                    final = "info" if maybe_happened else st
+                    self._complete(
+                        final, process, "produce", error=_err(r), node=r.node, attempts=attempts
+                    )
+                    if idempotent and (final == "info" or broker_refused):
+                        prod = None  # an unknown or refused sequence: start a fresh producer
+                    break
+                await asyncio.sleep(0.1 * attempts)
+            await self._pause(rng)
+
+    # -- reads ------------------------------------------------------------------------
+    async def read_once(
+        self,
+        process: int,
+        q: int,
+        offset: int,
+        consistency: str,
+        limit: int,
+        f: str = "read",
+        rng: random.Random | None = None,
+        node: str | None = None,
+        timeout_s: float | None = None,
+    ) -> tuple[str, list[list[Any]], int | None]:
+        """Records one read; returns (status, pairs, next offset)."""
+        self.w.invoke(process, f, key_of(q), offset=offset, consistency=consistency, limit=limit)
+        path = (
+            f"/v1/topics/{TOPIC}/queues/{q}/messages?offset={offset}&max_messages={limit}"
+            f"&encoding=utf-8&consistency={consistency}&timeout_ms={self.timeout_ms}"
+        )
+        r = await self.http.call("GET", path, rng=rng, node=node, timeout_s=timeout_s)
+        if r.status == 416 and isinstance(r.body, dict):
+            err = r.body.get("error", {})
+            hi = err.get("max_offset") if isinstance(err, dict) else None
+            if isinstance(hi, int) and offset > hi:
+                self._complete("ok", process, f, value=[], end=True, node=r.node)
+                return "ok", [], offset
+        st = read_outcome(r)
+        if st != "ok":
+            self._complete(st, process, f, error=_err(r), node=r.node)
+            return st, [], None
+        try:
+            msgs = r.body["messages"]
+            pairs = [[int(m["queue_offset"]), str(m["value"])] for m in msgs]
+            nxt = int(r.body["next_offset"])
+            end = len(pairs) < limit or nxt >= int(r.body["max_offset"])
+        except (KeyError, TypeError, ValueError):
+            self._complete("info", process, f, error="bad ok body", node=r.node)
+            return "info", [], None
+        self._complete("ok", process, f, value=pairs, end=end, node=r.node)
+        return "ok", pairs, nxt
+
+    async def reader(self) -> None:
+        process = self._process()
+        rng = random.Random(self.seed * 1000 + process)
+        while not self.stop.is_set():
+            q = rng.randrange(self.queues)
+            hi = self.high[q]
+            offset = max(0, hi - rng.randint(0, 6))
+            consistency = "linearizable" if rng.random() < 0.6 else "committed"
+            await self.read_once(process, q, offset, consistency, 8, rng=rng)
+            await self._pause(rng)
+
+    # -- consumer group ------------------------------------------------------------------
+    async def poller(self, index: int) -> None:
+        process = self._process()
+        rng = random.Random(self.seed * 1000 + process)
+        q = index % self.queues
+        pos: int | None = None
+        since_commit = 0
+        while not self.stop.is_set():
+            if pos is None:
+                self.w.invoke(process, "seek", key_of(q), offset=0, group=GROUP)
+                r = await self.http.call(
+                    "GET", f"/v1/groups/{GROUP}/offsets?topic={TOPIC}", rng=rng
+                )
+                st = read_outcome(r)
+                if st != "ok":
+                    self._complete(st, process, "seek", error=_err(r), node=r.node)
+                    await asyncio.sleep(0.2)
+                    continue
+                committed = 0
+                for o in r.body.get("offsets", []) if isinstance(r.body, dict) else []:
+                    if o.get("topic") == TOPIC and o.get("queue") == q:
+                        committed = int(o.get("offset", 0))
+                self._complete("ok", process, "seek", offset=committed, node=r.node)
+                pos = committed
+                continue
+            self.w.invoke(process, "poll", key_of(q), offset=pos, group=GROUP, limit=16)
+            r = await self.http.call(
+                "GET",
+                f"/v1/topics/{TOPIC}/queues/{q}/messages?offset={pos}&max_messages=16"
+                f"&encoding=utf-8&wait_ms=200",
+                rng=rng,
+            )
+            if r.status == 416:
+                self._complete("ok", process, "poll", value=[], node=r.node)
+                await asyncio.sleep(0.05)
+                continue
+            st = read_outcome(r)
+            if st != "ok":
+                self._complete(st, process, "poll", error=_err(r), node=r.node)
+                pos = None if st == "info" else pos
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                pairs: list[list[Any]] = [
+                    [int(m["queue_offset"]), str(m["value"])] for m in r.body["messages"]
+                ]
+            except (KeyError, TypeError, ValueError):
+                self._complete("info", process, "poll", error="bad ok body", node=r.node)
+                pos = None
+                continue
+            self._complete("ok", process, "poll", value=pairs, node=r.node)
+            if pairs:
+                pos = int(pairs[-1][0]) + 1
+            since_commit += len(pairs)
+            if since_commit >= 8:
+                since_commit = 0
+                self.w.invoke(process, "commit_offset", key_of(q), offset=pos, group=GROUP)
+                r = await self.http.call(
+                    "POST",
+                    f"/v1/groups/{GROUP}/offsets?timeout_ms={self.timeout_ms}",
+                    json={"offsets": [{"topic": TOPIC, "queue": q, "offset": pos}]},
+                    rng=rng,
+                )
+                st = write_outcome(r)
+                self._complete(st, process, "commit_offset", error=None if st == "ok" else _err(r))
+            await self._pause(rng)
+
+    # -- final reads ----------------------------------------------------------------------
+    async def final_reads(self, leader_http: str | None, deadline_s: float) -> bool:
+        """Read every queue from 0 to its end, linearizably; True when all completed."""
+        process = self._process()
+        rng = random.Random(self.seed * 1000 + process)
+        complete = True
+        end_at = time.monotonic() + deadline_s
+        for q in range(self.queues):
+            offset = 0
+            while time.monotonic() < end_at:
+                st, pairs, _ = await self.read_once(
+                    process,
+                    q,
+                    offset,
+                    "linearizable",
+                    500,
+                    f="final_read",
+                    rng=rng,
+                    node=leader_http,
+                    timeout_s=5.0,
+                )
+                if st != "ok":
+                    await asyncio.sleep(0.3)
+                    continue
+                if not pairs or len(pairs) < 500:
+                    break
+                offset = pairs[-1][0] + 1
+            else:
+                complete = False
+        return complete
+
+    async def setup_topic(self, deadline_s: float) -> bool:
+        end_at = time.monotonic() + deadline_s
+        while time.monotonic() < end_at:
+            r = await self.http.call(
+                "POST", "/v1/topics", json={"name": TOPIC, "queues": self.queues}
+            )
+            if r.status in (200, 201) or (r.status == 409 and "TOPIC_EXISTS" in _err(r)):
+                return True
+            await asyncio.sleep(0.3)
+        return False
+
+    def tasks(self) -> list[asyncio.Task[None]]:
+        out = []
+        for k in range(self.producers):
+            out.append(asyncio.create_task(self.producer(idempotent=k < self.idempotent)))
+        for _ in range(self.readers):
+            out.append(asyncio.create_task(self.reader()))
+        for k in range(self.pollers):
+            out.append(asyncio.create_task(self.poller(k)))
+        return out

@@ -1,0 +1,123 @@
+"""Harness pieces that need no cluster: grudges, outcome rules, the report."""
+
+from __future__ import annotations
+
+import io
+import random
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jepsen_like import net
+from jepsen_like.checkers import check_history
+from jepsen_like.control import Cluster
+from jepsen_like.history import Writer, parse_history
+from jepsen_like.nemesis import Nemesis
+from jepsen_like.report import html_report
+from jepsen_like.workload import Reply, read_outcome, write_outcome
+
+
+def nemesis(voters: int, tmp_path: Path) -> Nemesis:
+    c = Cluster(tmp_path, voters=voters, netns=True)
+    return Nemesis(c, Writer(io.StringIO()), random.Random(7), [], log=lambda _: None,
+                   libfaketime=None)  # fmt: skip
+
+
+def sees(grudge: dict[int, set[int]], a: int, b: int) -> bool:
+    return b not in grudge.get(a, set()) and a not in grudge.get(b, set())
+
+
+def test_complete_grudge_splits_into_components() -> None:
+    g = net.complete_grudge([[1, 2], [3, 4, 5]], range(1, 6))
+    assert g[1] == {3, 4, 5} and g[4] == {1, 2}
+    assert net.complete_grudge([[3]], [1, 2, 3]) == {1: {3}, 2: {3}, 3: {1, 2}}
+
+
+@pytest.mark.parametrize("voters", [3, 5])
+def test_bridge_node_sees_both_sides_that_do_not_see_each_other(
+    voters: int, tmp_path: Path
+) -> None:
+    g, (bridge,) = nemesis(voters, tmp_path)._grudge("bridge", None)
+    others = [i for i in range(1, voters + 1) if i != bridge]
+    assert all(sees(g, bridge, o) for o in others)
+    cut = [(a, b) for a in others for b in others if a < b and not sees(g, a, b)]
+    assert cut, "a bridge must cut something"
+
+
+def test_majorities_ring_gives_every_node_a_different_majority(tmp_path: Path) -> None:
+    g, ring = nemesis(5, tmp_path)._grudge("majorities-ring", None)
+    views = []
+    for n in ring:
+        visible = {m for m in ring if m == n or sees(g, n, m)}
+        assert len(visible) == 3  # itself and its two ring neighbours: a majority
+        views.append(frozenset(visible))
+    assert len(set(views)) == 5
+
+
+def test_isolating_the_leader_cuts_it_from_every_node(tmp_path: Path) -> None:
+    g, targets = nemesis(5, tmp_path)._grudge("isolate-leader", 4)
+    assert targets == [4] and g[4] == {1, 2, 3, 5}
+
+
+def test_leader_minority_keeps_the_leader_with_one_follower_of_five(tmp_path: Path) -> None:
+    g, side = nemesis(5, tmp_path)._grudge("leader-minority", 2)
+    assert 2 in side and len(side) == 2
+    (f,) = [x for x in side if x != 2]
+    assert sees(g, 2, f) and g[2] == {1, 2, 3, 4, 5} - {2, f}
+
+
+def test_shapes_can_be_restricted_and_unknown_ones_are_refused(tmp_path: Path) -> None:
+    n = nemesis(3, tmp_path)
+    n.shapes = {"kill": ["majority", "all"]}
+    assert [n._pick("kill", ["one", "majority", "all"], k) for k in range(3)] == [
+        "majority", "all", "majority",
+    ]  # fmt: skip
+    n.shapes = {"kill": ["sideways"]}
+    with pytest.raises(ValueError, match="sideways"):
+        n._pick("kill", ["one"], 0)
+
+
+@pytest.mark.parametrize(
+    ("reply", "write", "read"),
+    [
+        (Reply(200, {}), "ok", "ok"),
+        (Reply(None, error="timeout"), "info", "info"),
+        (Reply(None, error="connect", sent=False), "fail", "fail"),
+        (Reply(504, {}), "info", "info"),
+        (Reply(503, {"error": {"code": "NOT_LEADER"}}), "fail", "fail"),
+        (Reply(503, {"error": {"code": "STORAGE_CORRUPTED"}}), "info", "fail"),
+        (Reply(409, {"error": {"code": "PROPOSAL_DROPPED"}}), "fail", "fail"),
+        (Reply(500, {}), "info", "info"),
+    ],
+)
+def test_outcomes_are_fail_only_when_nothing_can_have_happened(
+    reply: Reply, write: str, read: str
+) -> None:
+    assert write_outcome(reply) == write
+    assert read_outcome(reply) == read
+
+
+def test_report_is_self_contained_html_with_well_formed_svg() -> None:
+    buf = io.StringIO()
+    w = Writer(buf)
+    t = 1_000_000_000
+    for k in range(40):
+        w.invoke(0, "produce", "t/0", value=f"v{k}", time_ns=t)
+        if k == 20:
+            w.nemesis("start", "kill", [1], time_ns=t + 1)
+            w.info(0, time_ns=t + 5_000_000)
+            w.nemesis("stop", "kill", [1], time_ns=t + 300_000_000)
+        else:
+            w.ok(0, offset=k - (k > 20), time_ns=t + 5_000_000)
+        t += 50_000_000
+    h = parse_history(buf.getvalue().splitlines())
+    res: dict[str, Any] = check_history(h)
+    page = html_report(res, h)
+    svgs = re.findall(r"<svg.*?</svg>", page, re.S)
+    assert len(svgs) == 3
+    for s in svgs:
+        ET.fromstring(s)
+    assert "RTO per fault" in page and "kill" in page

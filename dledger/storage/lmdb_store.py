@@ -241,6 +241,9 @@ _LMDB_DAMAGE: tuple[type[lmdb.Error], ...] = (
     lmdb.VersionMismatchError,
     lmdb.PanicError,
 )
+# ... and what a write transaction raises after meeting such damage (LMDB marks
+# the txn bad; py-lmdb can surface that as a SystemError around the error).
+_WRITE_DAMAGE: tuple[type[BaseException], ...] = (*_LMDB_DAMAGE, lmdb.BadTxnError, SystemError)
 
 
 def _seal(key: bytes, body: bytes) -> bytes:
@@ -1055,6 +1058,16 @@ class LmdbStorage:
                 # this process here, as set_mapsize requires.
                 self._env.set_mapsize(self._env.info()["map_size"] * 2)
                 self.map_growths += 1
+            except _WRITE_DAMAGE as exc:
+                # A damaged page met while writing (LMDB then marks the txn
+                # bad; py-lmdb may surface that as a SystemError wrapping the
+                # lmdb error) is damage like a bad CRC: the operator must
+                # rebuild this replica (exit code 2), not restart it blindly.
+                raise StorageCorrupted(
+                    f"LMDB failed a write transaction in {self.path}: "
+                    f"{type(exc).__name__}: {exc}; the data file is damaged. "
+                    "Do not restart this replica on this directory; rebuild it from a healthy peer."
+                ) from exc
 
     def _apply_batch(self, txn: lmdb.Transaction[bytes]) -> None:
         cur = txn.cursor(db=self._log_db)

@@ -36,7 +36,6 @@ included) that applied the same entries holds the same state, so
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import struct
 import sys
@@ -164,33 +163,25 @@ class ReadResult:
 
 
 class _Queue:
-    """One ConsumeQueue: queue offset -> (physical offset, size, tag hash),
-    plus the store timestamp (reset by time, age retention). The records
-    themselves are in the state's :class:`~broker_adapter.bodies.Bodies`.
+    """One ConsumeQueue: queue offsets ``[lo, hi)`` are retained; the entry
+    of each (physical offset, size, tag hash, store time) and the records
+    themselves are in the state's :class:`~broker_adapter.bodies.Bodies`
+    under this queue's ``qid`` (a local number: never part of a snapshot)."""
 
-    Arrays index ``k`` holds queue offset ``base + k``; ``start`` is the first
-    retained index (retention clears the front lazily, then compacts)."""
+    __slots__ = ("hi", "lo", "qid")
 
-    __slots__ = ("base", "phys", "sizes", "start", "tags", "ts")
-
-    def __init__(self, base: int = 0) -> None:
-        self.base = base
-        self.start = 0
-        self.phys = array("q")
-        self.sizes = array("i")
-        self.tags = array("I")
-        self.ts = array("q")
+    def __init__(self, qid: int, lo: int = 0, hi: int | None = None) -> None:
+        self.qid = qid
+        self.lo = lo
+        self.hi = lo if hi is None else hi
 
     @property
     def min_offset(self) -> int:
-        return self.base + self.start
+        return self.lo
 
     @property
     def max_offset(self) -> int:
-        return self.base + len(self.phys)
-
-    def head_phys(self) -> int | None:
-        return self.phys[self.start] if self.start < len(self.phys) else None
+        return self.hi
 
 
 @dataclass(slots=True)
@@ -245,6 +236,7 @@ class BrokerState:
         self._groups: dict[str, dict[tuple[str, int], int]] = {}
         self._producers: dict[int, _Producer] = {}
         self._next_pid = 1
+        self._next_qid = 0  # local queue ids for the store (not replicated state)
         self.retention_max_bytes = 0
         self.retention_max_age_ms = 0
         self.producer_idle_ms = DEFAULT_PRODUCER_IDLE_MS
@@ -311,7 +303,7 @@ class BrokerState:
         codec.check_queue_count(queues)
         if name in self._topics:
             raise TopicExists(f"topic {name!r} already exists", field="topic")
-        self._topics[name] = _Topic(name, [_Queue() for _ in range(queues)])
+        self._topics[name] = _Topic(name, [self._new_queue() for _ in range(queues)])
         return self.topic(name)
 
     def _update_topic(self, name: str, queues: int) -> TopicInfo:
@@ -323,16 +315,18 @@ class BrokerState:
                 "(queue offsets of removed queues would be lost)",
                 "queues",
             )
-        t.queues.extend(_Queue() for _ in range(queues - len(t.queues)))
+        t.queues.extend(self._new_queue() for _ in range(queues - len(t.queues)))
         return self.topic(name)
 
     def _delete_topic(self, name: str) -> TopicDeleted:
         t = self._topic(name)
         for q in t.queues:
-            self.stored_bytes -= sum(q.sizes[q.start :])
-            self.stored_messages -= len(q.phys) - q.start
-            for phys in q.phys[q.start :]:
+            for off in range(q.lo, q.hi):
+                phys, size, _, _ = self.bodies.index_get(q.qid, off)
+                self.stored_bytes -= size
                 self.bodies.delete(phys)
+            self.stored_messages -= q.hi - q.lo
+            self.bodies.index_delete(q.qid, q.lo, q.hi)
         del self._topics[name]
         for offs in self._groups.values():
             for key in [k for k in offs if k[0] == name]:
@@ -423,7 +417,7 @@ class BrokerState:
                 )
         # 2. Mutate.
         if t is None:
-            t = _Topic(p.topic, [_Queue() for _ in range(nq)])
+            t = _Topic(p.topic, [self._new_queue() for _ in range(nq)])
             self._topics[p.topic] = t
         t.rr = rr
         now = self.now_ms
@@ -431,12 +425,10 @@ class BrokerState:
         base_pos = entry.pos
         for off, size, q, th in heads:
             cq = t.queues[q]
-            qoff = cq.max_offset
+            qoff = cq.hi
             phys = base_pos + off
-            cq.phys.append(phys)
-            cq.sizes.append(size)
-            cq.tags.append(th)
-            cq.ts.append(now)
+            self.bodies.index_put(cq.qid, qoff, (phys, size, th, now))
+            cq.hi = qoff + 1
             self.bodies.put(phys, data[off : off + size])
             acks.append(MessageAck(q, qoff, phys, size, self.msg_id(phys)))
             self.stored_bytes += size
@@ -519,8 +511,7 @@ class BrokerState:
             elif r.mode is ResetMode.LATEST:
                 off = cq.max_offset
             else:
-                k = bisect.bisect_left(cq.ts, r.timestamp_ms, cq.start)
-                off = cq.base + k
+                off = self._first_at_or_after(cq, r.timestamp_ms)
             out.append((r.topic, q, off))
         offs = self._groups.setdefault(r.group, {})
         for topic, q, off in out:
@@ -550,36 +541,51 @@ class BrokerState:
             self._enforce_age()
 
     def _drop_head(self, cq: _Queue) -> None:
-        size = cq.sizes[cq.start]
-        self.bodies.delete(cq.phys[cq.start])
-        cq.start += 1
+        phys, size, _, _ = self.bodies.index_get(cq.qid, cq.lo)
+        self.bodies.delete(phys)
+        self.bodies.index_delete(cq.qid, cq.lo, cq.lo + 1)
+        cq.lo += 1
         self.stored_bytes -= size
         self.stored_messages -= 1
-        if cq.start >= 1024 and cq.start * 2 >= len(cq.phys):
-            s = cq.start
-            del cq.phys[:s], cq.sizes[:s], cq.tags[:s], cq.ts[:s]
-            cq.base += s
-            cq.start = 0
+
+    def _head_phys(self, cq: _Queue) -> int | None:
+        return self.bodies.index_get(cq.qid, cq.lo)[0] if cq.lo < cq.hi else None
+
+    def _first_at_or_after(self, cq: _Queue, ts: int) -> int:
+        """The first retained queue offset stored at or after ``ts`` (store
+        times never decrease within a queue), or the max offset."""
+        lo, hi = cq.lo, cq.hi
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.bodies.index_get(cq.qid, mid)[3] < ts:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def _new_queue(self, lo: int = 0, hi: int | None = None) -> _Queue:
+        self._next_qid += 1
+        return _Queue(self._next_qid, lo, hi)
 
     def _all_queues(self) -> list[_Queue]:
         return [q for name in sorted(self._topics) for q in self._topics[name].queues]
 
     def _enforce_size(self) -> None:
         qs = self._all_queues()
-        heap = [(h, k) for k, q in enumerate(qs) if (h := q.head_phys()) is not None]
+        heap = [(h, k) for k, q in enumerate(qs) if (h := self._head_phys(q)) is not None]
         heapq.heapify(heap)
         while self.stored_bytes > self.retention_max_bytes and heap:
             _, k = heapq.heappop(heap)
             cq = qs[k]
             self._drop_head(cq)
-            h = cq.head_phys()
+            h = self._head_phys(cq)
             if h is not None:
                 heapq.heappush(heap, (h, k))
 
     def _enforce_age(self) -> None:
         cutoff = self.now_ms - self.retention_max_age_ms
         for cq in self._all_queues():
-            while cq.start < len(cq.ts) and cq.ts[cq.start] < cutoff:
+            while cq.lo < cq.hi and self.bodies.index_get(cq.qid, cq.lo)[3] < cutoff:
                 self._drop_head(cq)
 
     # ======================================================================
@@ -646,44 +652,45 @@ class BrokerState:
                     wanted.setdefault(codec.tag_hash(tg), set()).add(tg)
         out: list[StoredMessage] = []
         used = 0
-        k = offset - cq.base
-        end = len(cq.phys)
+        k = offset
+        end = cq.hi
         scanned = 0
+        index_get = self.bodies.index_get
         while k < end and len(out) < max_messages and scanned < MAX_SCAN:
-            size = cq.sizes[k]
+            phys, size, th, ts = index_get(cq.qid, k)
             if out and used + size > max_bytes:
                 break
             scanned += 1
-            if wanted is not None and cq.tags[k] not in wanted:
+            if wanted is not None and th not in wanted:
                 k += 1
                 continue
-            m = self._message(topic, queue, cq, k)
+            m = self._message(topic, queue, k, phys, size, ts)
             k += 1
-            if wanted is not None and m.tag not in wanted.get(cq.tags[k - 1], ()):
+            if wanted is not None and m.tag not in wanted.get(th, ()):
                 continue
             out.append(m)
             used += size
-        return ReadResult(tuple(out), cq.base + k, lo, hi)
+        return ReadResult(tuple(out), k, lo, hi)
 
-    def _message(self, topic: str, queue: int, cq: _Queue, k: int) -> StoredMessage:
-        phys = cq.phys[k]
+    def _message(
+        self, topic: str, queue: int, off: int, phys: int, size: int, ts: int
+    ) -> StoredMessage:
         try:
             rec = codec.decode_record(self.bodies.get(phys))
         except MalformedCommand as exc:
             # The index names it, so it was applied whole: the record store
             # is damaged. Reported (503 at the API), never served.
             raise StorageCorrupted(
-                f"message {topic}/{queue}@{cq.base + k} (physical offset {phys}) cannot be "
-                f"read back: {exc}"
+                f"message {topic}/{queue}@{off} (physical offset {phys}) cannot be read back: {exc}"
             ) from None
         return StoredMessage(
             topic,
             queue,
-            cq.base + k,
+            off,
             phys,
-            cq.sizes[k],
+            size,
             self.msg_id(phys),
-            cq.ts[k],
+            ts,
             rec.born_ts_ms,
             rec.tag,
             rec.keys,
@@ -722,14 +729,10 @@ class BrokerState:
         """Cheap copies of everything the snapshot holds (array slices are
         memcpy, list slices copy pointers to immutable bytes); the returned
         function converts them into the snapshot value, off the apply path."""
-        _Frozen = tuple[int, tuple["array[int]", ...]]
-        frozen_topics: list[tuple[str, int, list[_Frozen]]] = []
-        for name, t in self._topics.items():
-            qs: list[_Frozen] = []
-            for q in t.queues:
-                s = q.start
-                qs.append((q.min_offset, (q.phys[s:], q.sizes[s:], q.tags[s:], q.ts[s:])))
-            frozen_topics.append((name, t.rr, qs))
+        frozen_topics = [
+            (name, t.rr, [(q.qid, q.lo, q.hi) for q in t.queues])
+            for name, t in self._topics.items()
+        ]
         groups = {
             g: {f"{tp}\x00{q}": off for (tp, q), off in offs.items()}
             for g, offs in self._groups.items()
@@ -767,23 +770,20 @@ class BrokerState:
             "stored": [self.stored_bytes, self.stored_messages],
         }
 
-        read_bodies = self.bodies.frozen_reader()
+        frozen = self.bodies.freeze()
 
         def value() -> dict[str, object]:
-            every = array("q")
-            for _, _, qs in frozen_topics:
-                for _, arrays in qs:
-                    every.extend(arrays[0])
-            recs = read_bodies(every)
-            topics: dict[str, object] = {}
-            k = 0
-            for name, rr, qs in frozen_topics:
-                out = []
-                for mn, arrays in qs:
-                    n = len(arrays[0])
-                    out.append([mn, *(_u64_bytes(array("q", a)) for a in arrays), recs[k : k + n]])
-                    k += n
-                topics[name] = [rr, out]
+            try:
+                topics: dict[str, object] = {}
+                for name, rr, qs in frozen_topics:
+                    out = []
+                    for qid, lo, hi in qs:
+                        cols = frozen.columns(qid, lo, hi)
+                        recs = frozen.records(cols[0])
+                        out.append([lo, *(_u64_bytes(a) for a in cols), recs])
+                    topics[name] = [rr, out]
+            finally:
+                frozen.close()
             return {**head, "topics": topics, "groups": groups, "producers": producers}
 
         return value
@@ -861,6 +861,7 @@ class BrokerState:
 
         st = cls(s(v["broker"]), MemoryBodies())  # the real store is filled once all is valid
         records: list[tuple[int, bytes]] = []
+        index: list[tuple[int, int, tuple[array[int], ...]]] = []
         st.applied_index = i(v["applied"])
         st.confirm_offset = i(v["confirm"])
         st.now_ms = i(v["now"])
@@ -880,15 +881,13 @@ class BrokerState:
             queues = []
             for qv in lst(qs):
                 mn, phys, sizes, tags, ts, recs = lst(qv)
-                q = _Queue(i(mn))
-                q.phys = _from_bytes("q", b(phys))
-                q.sizes = array("i", _from_bytes("q", b(sizes)))
-                q.tags = array("I", _from_bytes("q", b(tags)))
-                q.ts = _from_bytes("q", b(ts))
+                cols = tuple(_from_bytes("q", b(x)) for x in (phys, sizes, tags, ts))
                 recs_l = [b(r) for r in lst(recs)]
-                if not len(q.phys) == len(q.sizes) == len(q.tags) == len(q.ts) == len(recs_l):
+                if not all(len(c) == len(recs_l) for c in cols):
                     raise ValueError("queue arrays of different lengths")
-                records.extend(zip(q.phys, recs_l, strict=True))
+                q = st._new_queue(i(mn), i(mn) + len(recs_l))
+                records.extend(zip(cols[0], recs_l, strict=True))
+                index.append((q.qid, q.lo, cols))
                 queues.append(q)
             st._topics[s(name)] = _Topic(s(name), queues, i(rr))
         for g, offs in d(v["groups"]).items():
@@ -920,5 +919,5 @@ class BrokerState:
                 prod.seqs[(tp, int(qs_))] = seq
             st._producers[i(pid)] = prod
         st.bodies = bodies if bodies is not None else MemoryBodies()
-        st.bodies.replace_all(records)
+        st.bodies.replace_all(records, index)
         return st

@@ -304,10 +304,7 @@ class BrokerApi:
     async def produce(self, request: web.Request) -> web.Response:
         topic = codec.check_name(request.match_info["topic"])
         body = await self._body(request)
-        raw_msgs = body.get("messages")
-        if not isinstance(raw_msgs, list) or not raw_msgs:
-            raise InvalidArgument("messages must be a non-empty list", field="messages")
-        msgs = [_parse_message(m, k) for k, m in enumerate(raw_msgs)]
+        msgs = parse_messages(body.get("messages"))
         pid = _opt_int(body, "producer_id", 0, 1 << 64)
         epoch = _opt_int(body, "epoch", 0, 1 << 32)
         seq = _opt_int(body, "sequence", 0, 1 << 62)
@@ -332,24 +329,7 @@ class BrokerApi:
         )
         res = await self._propose(request, data)
         assert isinstance(res, ProduceResult)
-        return json_response(
-            {
-                "topic": res.topic,
-                "duplicate": res.duplicate,
-                "store_ts_ms": res.store_ts_ms,
-                "messages": [
-                    {
-                        "queue": a.queue,
-                        "queue_offset": a.queue_offset,
-                        "commit_offset": a.phys_offset,
-                        "size": a.size,
-                        "msg_id": a.msg_id,
-                        "duplicate": res.duplicate,
-                    }
-                    for a in res.acks
-                ],
-            }
-        )
+        return json_response(produce_json(res))
 
     async def register_producer(self, request: web.Request) -> web.Response:
         body = await self._body(request)
@@ -649,6 +629,14 @@ def _str_field(m: dict[str, Any], name: str, where: str) -> str:
     return v
 
 
+def parse_messages(raw_msgs: object) -> list[Message]:
+    """The ``messages`` of a produce request; raises InvalidArgument naming
+    the first field at fault."""
+    if not isinstance(raw_msgs, list) or not raw_msgs:
+        raise InvalidArgument("messages must be a non-empty list", field="messages")
+    return [_parse_message(m, k) for k, m in enumerate(raw_msgs)]
+
+
 def _parse_message(m: object, k: int) -> Message:
     where = f"messages[{k}]"
     if not isinstance(m, dict):
@@ -711,6 +699,25 @@ def _parse_message(m: object, k: int) -> Message:
         sharding_key=_str_field(m, "sharding_key", where) or None,
         born_ts_ms=born,
     )
+
+
+def produce_json(res: ProduceResult) -> dict[str, Any]:
+    return {
+        "topic": res.topic,
+        "duplicate": res.duplicate,
+        "store_ts_ms": res.store_ts_ms,
+        "messages": [
+            {
+                "queue": a.queue,
+                "queue_offset": a.queue_offset,
+                "commit_offset": a.phys_offset,
+                "size": a.size,
+                "msg_id": a.msg_id,
+                "duplicate": res.duplicate,
+            }
+            for a in res.acks
+        ],
+    }
 
 
 def _topic_json(t: TopicInfo) -> dict[str, Any]:

@@ -64,6 +64,10 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_.%|-]+$")
 _HDR = struct.Struct(">4sBBHQI")
 HEADER_SIZE = _HDR.size
 _REC_FIXED = struct.Struct(">IIBqi")
+RECORD_FIXED_SIZE = _REC_FIXED.size
+# The fixed fields plus the sharding key's length and, when that length is 0,
+# the tag's length: the whole header of a common record in one unpack (apply).
+RECORD_SCAN = struct.Struct(">IIBqiHH")
 _U8 = struct.Struct(">B")
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")

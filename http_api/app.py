@@ -702,20 +702,21 @@ def _parse_message(m: object, k: int) -> Message:
 
 
 def produce_json(res: ProduceResult) -> dict[str, Any]:
+    acks, dup = res.acks, res.duplicate
     return {
         "topic": res.topic,
         "duplicate": res.duplicate,
         "store_ts_ms": res.store_ts_ms,
         "messages": [
             {
-                "queue": a.queue,
-                "queue_offset": a.queue_offset,
-                "commit_offset": a.phys_offset,
-                "size": a.size,
-                "msg_id": a.msg_id,
-                "duplicate": res.duplicate,
+                "queue": q,
+                "queue_offset": qoff,
+                "commit_offset": phys,
+                "size": size,
+                "msg_id": msg_id,
+                "duplicate": dup,
             }
-            for a in res.acks
+            for (q, qoff, phys, size), msg_id in zip(acks.rows(), acks.msg_ids(), strict=True)
         ],
     }
 

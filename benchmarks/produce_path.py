@@ -7,9 +7,10 @@ replica) spends per message of a batched HTTP produce.
 
 Stages, each timed over the same ``N`` requests of ``B`` messages:
 
-* ``parse``: the request body's JSON (``orjson.loads``) to ``Message``
-  objects, through the HTTP layer's own parser (``parse_messages``).
-* ``encode``: the messages to one produce entry (``codec.encode_produce``).
+* ``parse``: the request body's JSON (``orjson.loads``) to the encoder's
+  message rows, through the HTTP layer's own parser (``parse_messages``).
+* ``encode``: the rows to one produce entry (``codec.encode_produce_rows``,
+  what the produce handler calls).
 * ``apply``: one replica applying the entries (``BrokerState.apply``, records
   in memory: the LMDB put is the same call on every path, and its cost is
   I/O rather than per-message Python).
@@ -35,9 +36,9 @@ from typing import Any, TypeVar
 
 import orjson
 
-from broker_adapter import BrokerState, CommandKind, encode_produce, encode_topic
+from broker_adapter import BrokerState, CommandKind, encode_topic
 from broker_adapter.bodies import MemoryBodies
-from broker_adapter.codec import Message
+from broker_adapter.codec import MessageRow, encode_produce_rows
 from broker_adapter.state import ProduceResult
 from dledger.core.types import Entry
 from http_api.app import parse_messages, produce_json
@@ -82,12 +83,12 @@ def _timed(fn: Callable[[A], T], arg: A) -> tuple[float, T]:
     return (time.perf_counter_ns() - t0) / 1000, out
 
 
-def _parse(raws: list[bytes]) -> list[list[Message]]:
+def _parse(raws: list[bytes]) -> list[list[MessageRow]]:
     return [parse_messages(orjson.loads(raw)["messages"]) for raw in raws]
 
 
-def _encode(batches: list[list[Message]]) -> list[bytes]:
-    return [encode_produce(TOPIC, ms, 1_000 + k) for k, ms in enumerate(batches)]
+def _encode(batches: list[list[MessageRow]]) -> list[bytes]:
+    return [encode_produce_rows(TOPIC, ms, 1_000 + k) for k, ms in enumerate(batches)]
 
 
 def _apply(job: tuple[BrokerState, list[Entry]]) -> list[object]:

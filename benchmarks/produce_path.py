@@ -11,9 +11,9 @@ Stages, each timed over the same ``N`` requests of ``B`` messages:
   message rows, through the HTTP layer's own parser (``parse_messages``).
 * ``encode``: the rows to one produce entry (``codec.encode_produce_rows``,
   what the produce handler calls).
-* ``apply``: one replica applying the entries (``BrokerState.apply``, records
-  in memory: the LMDB put is the same call on every path, and its cost is
-  I/O rather than per-message Python).
+* ``apply``: one replica applying the entries (``BrokerState.apply``);
+  records in memory by default, or ``--bodies lmdb`` as on a node (its
+  batched commits land inside the timed loop, as they do on a node).
 * ``respond``: the apply result to the response bytes (``produce_json`` then
   ``orjson.dumps``, as ``json_response`` does).
 
@@ -29,7 +29,9 @@ from __future__ import annotations
 import argparse
 import base64
 import gc
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -37,7 +39,7 @@ from typing import Any, TypeVar
 import orjson
 
 from broker_adapter import BrokerState, CommandKind, encode_topic
-from broker_adapter.bodies import MemoryBodies
+from broker_adapter.bodies import Bodies, LmdbBodies, MemoryBodies
 from broker_adapter.codec import MessageRow, encode_produce_rows
 from broker_adapter.state import ProduceResult
 from dledger.core.types import Entry
@@ -101,7 +103,7 @@ def _respond(results: list[ProduceResult]) -> list[bytes]:
 
 
 def run_shape(
-    n: int, batch: int, size: int, repeats: int, shape: str
+    n: int, batch: int, size: int, repeats: int, shape: str, bodies: str = "memory"
 ) -> dict[str, tuple[float, float]]:
     raws = request_bodies(n, batch, size, shape)
     total = n * batch
@@ -113,7 +115,11 @@ def run_shape(
         us, datas = _timed(_encode, batches)
         times["encode"].append(us / total)
 
-        st = BrokerState("bench", MemoryBodies())
+        tmp = tempfile.TemporaryDirectory(prefix="produce-path-")
+        store: Bodies = (
+            MemoryBodies() if bodies == "memory" else LmdbBodies(os.path.join(tmp.name, "b"))
+        )
+        st = BrokerState("bench", store)
         first = Entry(1, 1, data=encode_topic(CommandKind.CREATE_TOPIC, TOPIC, 1, 8))
         st.apply(first)
         entries = []
@@ -124,6 +130,8 @@ def run_shape(
             pos = e.end_pos
         us, applied = _timed(_apply, (st, entries))
         times["apply"].append(us / total)
+        store.close()
+        tmp.cleanup()
         results = [r for r in applied if isinstance(r, ProduceResult)]
         assert len(results) == len(entries), applied[:1]
 
@@ -139,13 +147,20 @@ def main() -> None:
     ap.add_argument("--body", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--shape", default="utf8,base64,rich")
+    ap.add_argument(
+        "--bodies",
+        choices=("memory", "lmdb"),
+        default="memory",
+        help="where apply stores records: a dict, or LMDB (as on a node; no fsync)",
+    )
     a = ap.parse_args()
     print(
-        f"{a.requests} requests x {a.batch} messages x {a.body} B, {a.repeats} repeats; "
+        f"{a.requests} requests x {a.batch} messages x {a.body} B, {a.repeats} repeats, "
+        f"records in {a.bodies}; "
         "us per message, min / median"
     )
     for shape in a.shape.split(","):
-        res = run_shape(a.requests, a.batch, a.body, a.repeats, shape)
+        res = run_shape(a.requests, a.batch, a.body, a.repeats, shape, a.bodies)
         cells = "  ".join(f"{s} {res[s][0]:6.2f} / {res[s][1]:6.2f}" for s in STAGES)
         tot_min = sum(res[s][0] for s in STAGES)
         tot_med = sum(res[s][1] for s in STAGES)

@@ -145,16 +145,20 @@ class LmdbBodies:
     def commit(self) -> None:
         if not self._pending:
             return
-        items = sorted(self._pending.items())
+        # Each key is pending once, with its last change, so the deletes and
+        # the puts touch different keys and their order does not matter; the
+        # puts go in one sorted putmulti (a C loop) instead of a put per record.
+        pack = _KEY.pack
+        puts = sorted([(pack(phys), rec) for phys, rec in self._pending.items() if rec is not None])
+        deletes = [pack(phys) for phys, rec in self._pending.items() if rec is None]
         env, db = self._open()
         while True:
             try:
                 with env.begin(write=True, db=db) as txn:
-                    for phys, rec in items:
-                        if rec is None:
-                            txn.delete(_KEY.pack(phys))
-                        else:
-                            txn.put(_KEY.pack(phys), rec)
+                    for key in deletes:
+                        txn.delete(key)
+                    if puts:
+                        txn.cursor().putmulti(puts)
                 break
             except lmdb.MapFullError:
                 env.set_mapsize(env.info()["map_size"] * 2)

@@ -41,8 +41,9 @@ import struct
 import sys
 import zlib
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 from broker_adapter import codec
 from broker_adapter.bodies import Bodies, MemoryBodies
@@ -93,10 +94,98 @@ class MessageAck:
     msg_id: str
 
 
+AckRow = tuple[int, int, int, int]  # (queue, queue offset, physical offset, size)
+
+
+class Acks(Sequence[MessageAck]):
+    """The acknowledgements of one produce batch, in message order: a
+    sequence of :class:`MessageAck`, built only when someone looks.
+
+    Apply runs on every replica, but only the leader's answer is read (and
+    only while its client waits), so apply records what it already has (the
+    scanned record heads of the entry and each message's queue offset) and
+    rows, message ids and ``MessageAck`` objects are made on first use.
+    Equal when the rows and the broker's id prefix are equal, whichever way
+    they were built (apply, or a snapshot's dedup window)."""
+
+    __slots__ = ("_base", "_heads", "_id_prefix", "_qoffs", "_rows")
+
+    def __init__(self, id_prefix: str, rows: tuple[AckRow, ...]) -> None:
+        self._id_prefix = id_prefix
+        self._rows: tuple[AckRow, ...] | None = rows
+        self._base = 0
+        self._heads: list[tuple[int, int, int, int]] | None = None
+        self._qoffs: list[int] | None = None
+
+    @classmethod
+    def of_entry(
+        cls,
+        id_prefix: str,
+        base_pos: int,
+        heads: list[tuple[int, int, int, int]],
+        qoffs: list[int],
+    ) -> Acks:
+        """``heads[k]`` = (offset in the entry, size, queue, tag hash) of
+        message ``k``; ``qoffs[k]`` its queue offset; the entry at ``base_pos``."""
+        a = cls(id_prefix, ())
+        a._rows = None
+        a._base, a._heads, a._qoffs = base_pos, heads, qoffs
+        return a
+
+    def rows(self) -> tuple[AckRow, ...]:
+        rows = self._rows
+        if rows is None:
+            assert self._heads is not None and self._qoffs is not None
+            b = self._base
+            rows = self._rows = tuple(
+                [(h[2], qo, b + h[0], h[1]) for h, qo in zip(self._heads, self._qoffs, strict=True)]
+            )
+            self._heads = self._qoffs = None
+        return rows
+
+    def msg_ids(self) -> list[str]:
+        """Each message's id, as :meth:`BrokerState.msg_id` gives it."""
+        prefix = self._id_prefix
+        return [f"{prefix}{r[2]:016X}" for r in self.rows()]
+
+    def __len__(self) -> int:
+        return len(self._rows) if self._rows is not None else len(self._qoffs or ())
+
+    @overload
+    def __getitem__(self, i: int) -> MessageAck: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[MessageAck, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> MessageAck | tuple[MessageAck, ...]:
+        if isinstance(i, slice):
+            return tuple(self)[i]
+        q, qoff, phys, size = self.rows()[i]
+        return MessageAck(q, qoff, phys, size, f"{self._id_prefix}{phys:016X}")
+
+    def __iter__(self) -> Iterator[MessageAck]:
+        prefix = self._id_prefix
+        for q, qoff, phys, size in self.rows():
+            yield MessageAck(q, qoff, phys, size, f"{prefix}{phys:016X}")
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Acks):
+            return self._id_prefix == other._id_prefix and self.rows() == other.rows()
+        if isinstance(other, tuple):
+            return tuple(self) == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self._id_prefix, self.rows()))
+
+    def __repr__(self) -> str:
+        return f"Acks({list(self)!r})"
+
+
 @dataclass(frozen=True, slots=True)
 class ProduceResult:
     topic: str
-    acks: tuple[MessageAck, ...]
+    acks: Acks
     store_ts_ms: int
     duplicate: bool = False
 
@@ -194,7 +283,7 @@ class _Topic:
 @dataclass(slots=True)
 class _Seq:
     last_seq: int
-    batches: list[tuple[int, int, tuple[MessageAck, ...], int]] = field(default_factory=list)
+    batches: list[tuple[int, int, Acks, int]] = field(default_factory=list)
     # (base_seq, count, acks, store_ts)
 
 
@@ -351,10 +440,28 @@ class BrokerState:
         # 1. Scan and resolve everything; nothing changes before all checks pass.
         pos = p.records_start
         heads: list[tuple[int, int, int, int]] = []  # (entry offset, size, queue, tag hash)
+        add_head = heads.append
         rr = t.rr if t is not None else 0
         idem = p.base_seq >= 0
+        pid_queue = zlib.crc32(struct.pack(">Q", p.producer_id)) % nq if idem else 0
+        ndata = len(data)
+        scan = codec.RECORD_SCAN.unpack_from
+        scan_size = codec.RECORD_SCAN.size
+        fixed_size = codec.RECORD_FIXED_SIZE
+        crc32 = zlib.crc32
         for k in range(p.count):
-            size, q, shard, th = codec.record_header(data, pos)
+            # The common record (no sharding key) in one unpack; anything
+            # else, or anything out of bounds, through codec.record_header,
+            # which reads the same bytes and raises its own errors.
+            if pos + scan_size <= ndata:
+                size, _crc, _ver, _born, q, n_shard, n_tag = scan(data, pos)
+                if n_shard or size < fixed_size or pos + size > ndata:
+                    size, q, shard, th = codec.record_header(data, pos)
+                else:
+                    shard = ""
+                    th = crc32(data[pos + scan_size : pos + scan_size + n_tag]) if n_tag else 0
+            else:
+                size, q, shard, th = codec.record_header(data, pos)
             if q >= 0:
                 if q >= nq:
                     raise InvalidQueue(
@@ -362,13 +469,13 @@ class BrokerState:
                         f"messages[{k}].queue",
                     )
             elif shard:
-                q = zlib.crc32(shard.encode("utf-8")) % nq
+                q = crc32(shard.encode("utf-8")) % nq
             elif idem:
-                q = zlib.crc32(struct.pack(">Q", p.producer_id)) % nq
+                q = pid_queue
             else:
                 q = rr % nq
                 rr += 1
-            heads.append((pos, size, q, th))
+            add_head((pos, size, q, th))
             pos += size
         if pos != len(data):
             raise MalformedCommand("bytes after the last record")
@@ -421,19 +528,23 @@ class BrokerState:
             self._topics[p.topic] = t
         t.rr = rr
         now = self.now_ms
-        acks: list[MessageAck] = []
         base_pos = entry.pos
+        queues = t.queues
+        put = self.bodies.put
+        index_put = self.bodies.index_put
+        qoffs: list[int] = []
+        add_qoff = qoffs.append
         for off, size, q, th in heads:
-            cq = t.queues[q]
+            cq = queues[q]
             qoff = cq.hi
+            add_qoff(qoff)
             phys = base_pos + off
-            self.bodies.index_put(cq.qid, qoff, (phys, size, th, now))
+            index_put(cq.qid, qoff, (phys, size, th, now))
             cq.hi = qoff + 1
-            self.bodies.put(phys, data[off : off + size])
-            acks.append(MessageAck(q, qoff, phys, size, self.msg_id(phys)))
-            self.stored_bytes += size
+            put(phys, data[off : off + size])
+        self.stored_bytes += pos - p.records_start  # the records are back to back
         self.stored_messages += len(heads)
-        result = ProduceResult(p.topic, tuple(acks), now)
+        result = ProduceResult(p.topic, Acks.of_entry(self._id_prefix, base_pos, heads, qoffs), now)
         if idem:
             assert prod is not None
             key = (p.topic, queue_of_batch)
@@ -748,7 +859,7 @@ class BrokerState:
                             base,
                             count,
                             ts,
-                            [[a.queue, a.queue_offset, a.phys_offset, a.size] for a in acks],
+                            [list(row) for row in acks.rows()],
                         ]
                         for base, count, acks, ts in st.batches
                     ],
@@ -909,9 +1020,12 @@ class BrokerState:
                         (
                             i(base),
                             i(count),
-                            tuple(
-                                MessageAck(i(a[0]), i(a[1]), i(a[2]), i(a[3]), st.msg_id(i(a[2])))
-                                for a in (lst(x) for x in lst(acks))
+                            Acks(
+                                st._id_prefix,
+                                tuple(
+                                    (i(a[0]), i(a[1]), i(a[2]), i(a[3]))
+                                    for a in (lst(x) for x in lst(acks))
+                                ),
                             ),
                             i(ts),
                         )

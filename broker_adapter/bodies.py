@@ -27,11 +27,13 @@ thread while the loop keeps applying.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import struct
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 import lmdb
@@ -92,6 +94,10 @@ class Bodies(Protocol):
 
     def freeze(self) -> Frozen:
         """The store as it is now, readable later from another thread."""
+        ...
+
+    def reading(self) -> AbstractContextManager[None]:
+        """Reads inside share one read transaction (a consume page)."""
         ...
 
     def close(self) -> None: ...
@@ -161,6 +167,9 @@ class MemoryBodies:
     def freeze(self) -> Frozen:
         return _MemFrozen(dict(self._d), dict(self._idx))
 
+    def reading(self) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
     def close(self) -> None:
         self._d.clear()
         self._idx.clear()
@@ -220,6 +229,7 @@ class LmdbBodies:
         self._pending_idx: dict[bytes, bytes | None] = {}
         self.commits = 0
         self.map_growths = 0
+        self._rtxn: lmdb.Transaction | None = None
 
     def _open(self) -> tuple[lmdb.Environment, lmdb._Database, lmdb._Database]:
         """Opened (and emptied) on first use, not at construction: a node
@@ -333,9 +343,26 @@ class LmdbBodies:
         if key in pending:
             return pending[key]
         env, recs, idx = self._open()
-        with env.begin() as txn:
-            value = txn.get(key, db=recs if which == 0 else idx)
+        db = recs if which == 0 else idx
+        if self._rtxn is not None:
+            value = self._rtxn.get(key, db=db)
+        else:
+            with env.begin() as txn:
+                value = txn.get(key, db=db)
         return None if value is None else bytes(value)
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        if self._rtxn is not None:  # nested: the outer one serves
+            yield
+            return
+        env, _, _ = self._open()
+        self._rtxn = env.begin()
+        try:
+            yield
+        finally:
+            self._rtxn.abort()
+            self._rtxn = None
 
     def get(self, phys: int) -> bytes:
         rec = self._read(_KEY.pack(phys), self._pending, 0)
@@ -358,6 +385,9 @@ class LmdbBodies:
     def close(self) -> None:
         self._pending.clear()
         self._pending_idx.clear()
+        if self._rtxn is not None:
+            self._rtxn.abort()
+            self._rtxn = None
         if self._env_ is not None:
             self._env_.close()
             self._env_ = self._dbs = None

@@ -767,20 +767,21 @@ class BrokerState:
         end = cq.hi
         scanned = 0
         index_get = self.bodies.index_get
-        while k < end and len(out) < max_messages and scanned < MAX_SCAN:
-            phys, size, th, ts = index_get(cq.qid, k)
-            if out and used + size > max_bytes:
-                break
-            scanned += 1
-            if wanted is not None and th not in wanted:
+        with self.bodies.reading():
+            while k < end and len(out) < max_messages and scanned < MAX_SCAN:
+                phys, size, th, ts = index_get(cq.qid, k)
+                if out and used + size > max_bytes:
+                    break
+                scanned += 1
+                if wanted is not None and th not in wanted:
+                    k += 1
+                    continue
+                m = self._message(topic, queue, k, phys, size, ts)
                 k += 1
-                continue
-            m = self._message(topic, queue, k, phys, size, ts)
-            k += 1
-            if wanted is not None and m.tag not in wanted.get(th, ()):
-                continue
-            out.append(m)
-            used += size
+                if wanted is not None and m.tag not in wanted.get(th, ()):
+                    continue
+                out.append(m)
+                used += size
         return ReadResult(tuple(out), k, lo, hi)
 
     def _message(

@@ -27,10 +27,13 @@ thread while the loop keeps applying.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import struct
-from collections.abc import Callable, Iterable, Sequence
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 import lmdb
@@ -38,7 +41,10 @@ import lmdb
 from broker_adapter.errors import MalformedCommand
 
 _KEY = struct.Struct(">Q")
+_IKEY = struct.Struct(">IQ")  # queue id, queue offset
+_IVAL = struct.Struct(">qiIq")  # physical offset, size, tag hash, store time
 _DB = b"records"
+_IDX_DB = b"consumequeue"
 
 
 class BodyMissing(MalformedCommand):
@@ -46,27 +52,81 @@ class BodyMissing(MalformedCommand):
     damaged outside the process): reported, never served as something else."""
 
 
+IndexEntry = tuple[int, int, int, int]  # physical offset, size, tag hash, store time
+
+
+class Frozen(Protocol):
+    """The store as it was when frozen, read once from a worker thread."""
+
+    def records(self, phys: Sequence[int]) -> list[bytes]: ...
+
+    def columns(self, qid: int, lo: int, hi: int) -> tuple[array[int], ...]:
+        """Index entries [lo, hi) of queue ``qid`` as four arrays (physical
+        offsets, sizes, tag hashes, store times)."""
+        ...
+
+    def close(self) -> None: ...
+
+
 class Bodies(Protocol):
+    # records by physical offset
     def put(self, phys: int, rec: bytes) -> None: ...
 
     def get(self, phys: int) -> bytes: ...
 
     def delete(self, phys: int) -> None: ...
 
-    def replace_all(self, items: Iterable[tuple[int, bytes]]) -> None:
-        """Drop everything and store ``items`` (a restore)."""
+    # the ConsumeQueue index: queue ``qid``'s entry at queue offset ``off``
+    def index_put(self, qid: int, off: int, entry: IndexEntry) -> None: ...
+
+    def index_get(self, qid: int, off: int) -> IndexEntry: ...
+
+    def index_delete(self, qid: int, lo: int, hi: int) -> None: ...
+
+    def replace_all(
+        self,
+        records: Iterable[tuple[int, bytes]],
+        index: Iterable[tuple[int, int, tuple[array[int], ...]]],
+    ) -> None:
+        """Drop everything and store ``records`` and ``index`` entries
+        (``(qid, first offset, four columns)``): a restore."""
         ...
 
-    def frozen_reader(self) -> Callable[[Sequence[int]], list[bytes]]:
-        """The records as they are now, readable later from another thread."""
+    def freeze(self) -> Frozen:
+        """The store as it is now, readable later from another thread."""
+        ...
+
+    def reading(self) -> AbstractContextManager[None]:
+        """Reads inside share one read transaction (a consume page)."""
         ...
 
     def close(self) -> None: ...
 
 
+class _MemFrozen:
+    def __init__(self, recs: dict[int, bytes], idx: dict[tuple[int, int], IndexEntry]) -> None:
+        self._recs, self._idx = recs, idx
+
+    def records(self, phys: Sequence[int]) -> list[bytes]:
+        return [self._recs[p] for p in phys]
+
+    def columns(self, qid: int, lo: int, hi: int) -> tuple[array[int], ...]:
+        cols = (array("q"), array("q"), array("q"), array("q"))
+        for off in range(lo, hi):
+            for c, v in zip(cols, self._idx[(qid, off)], strict=True):
+                c.append(v)
+        return cols
+
+    def close(self) -> None:
+        pass
+
+
 class MemoryBodies:
+    """Dicts (tests, the simulator, the pure adapter's benchmarks)."""
+
     def __init__(self) -> None:
         self._d: dict[int, bytes] = {}
+        self._idx: dict[tuple[int, int], IndexEntry] = {}
 
     def put(self, phys: int, rec: bytes) -> None:
         self._d[phys] = rec
@@ -80,148 +140,254 @@ class MemoryBodies:
     def delete(self, phys: int) -> None:
         self._d.pop(phys, None)
 
-    def replace_all(self, items: Iterable[tuple[int, bytes]]) -> None:
-        self._d = dict(items)
+    def index_put(self, qid: int, off: int, entry: IndexEntry) -> None:
+        self._idx[(qid, off)] = entry
 
-    def frozen_reader(self) -> Callable[[Sequence[int]], list[bytes]]:
-        d = dict(self._d)  # tests and benchmarks only: a plain copy will do
+    def index_get(self, qid: int, off: int) -> IndexEntry:
+        try:
+            return self._idx[(qid, off)]
+        except KeyError:
+            raise BodyMissing(f"no index entry for queue {qid} offset {off}") from None
 
-        def read(phys: Sequence[int]) -> list[bytes]:
-            return [d[p] for p in phys]
+    def index_delete(self, qid: int, lo: int, hi: int) -> None:
+        for off in range(lo, hi):
+            self._idx.pop((qid, off), None)
 
-        return read
+    def replace_all(
+        self,
+        records: Iterable[tuple[int, bytes]],
+        index: Iterable[tuple[int, int, tuple[array[int], ...]]],
+    ) -> None:
+        self._d = dict(records)
+        self._idx = {}
+        for qid, lo, cols in index:
+            for k, e in enumerate(zip(*cols, strict=True)):
+                self._idx[(qid, lo + k)] = (e[0], e[1], e[2], e[3])
+
+    def freeze(self) -> Frozen:
+        return _MemFrozen(dict(self._d), dict(self._idx))
+
+    def reading(self) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         self._d.clear()
+        self._idx.clear()
 
     def __len__(self) -> int:
         return len(self._d)
 
 
+class _LmdbFrozen:
+    def __init__(self, txn: lmdb.Transaction, recs: lmdb._Database, idx: lmdb._Database) -> None:
+        self._txn, self._recs, self._idx = txn, recs, idx
+
+    def records(self, phys: Sequence[int]) -> list[bytes]:
+        out: list[bytes] = []
+        get, pack = self._txn.get, _KEY.pack
+        for p in phys:
+            rec = get(pack(p), db=self._recs)
+            if rec is None:
+                raise BodyMissing(f"no stored record at physical offset {p}")
+            out.append(bytes(rec))
+        return out
+
+    def columns(self, qid: int, lo: int, hi: int) -> tuple[array[int], ...]:
+        cols = (array("q"), array("q"), array("q"), array("q"))
+        if lo >= hi:
+            return cols
+        cur = self._txn.cursor(db=self._idx)
+        off = lo
+        if cur.set_key(_IKEY.pack(qid, lo)):
+            for key, value in cur:
+                if off >= hi:
+                    break
+                if key != _IKEY.pack(qid, off):
+                    break
+                for c, v in zip(cols, _IVAL.unpack(value), strict=True):
+                    c.append(v)
+                off += 1
+        if off != hi:
+            raise BodyMissing(f"index of queue {qid} lacks offset {off} (wanted {lo}..{hi})")
+        return cols
+
+    def close(self) -> None:
+        self._txn.abort()
+
+
 class LmdbBodies:
-    """See the module docstring. ``path`` is emptied on open."""
+    """See the module docstring. ``path`` is emptied when first used."""
 
     def __init__(self, path: str, *, batch: int = 4096, map_size: int = 1 << 28) -> None:
         self.path = path
         self._batch = batch
         self._map_size = map_size
         self._env_: lmdb.Environment | None = None
-        self._db_: lmdb._Database | None = None
-        # phys -> record, or None for a delete not yet committed
-        self._pending: dict[int, bytes | None] = {}
+        self._dbs: tuple[lmdb._Database, lmdb._Database] | None = None
+        # Buffered changes, committed together: key -> value, None = delete.
+        self._pending: dict[bytes, bytes | None] = {}
+        self._pending_idx: dict[bytes, bytes | None] = {}
         self.commits = 0
         self.map_growths = 0
+        self._rtxn: lmdb.Transaction | None = None
 
-    def _open(self) -> tuple[lmdb.Environment, lmdb._Database]:
+    def _open(self) -> tuple[lmdb.Environment, lmdb._Database, lmdb._Database]:
         """Opened (and emptied) on first use, not at construction: a node
         builds its state machine before it holds the lock on its data
         directory, and must not touch the directory before that."""
-        if self._env_ is None or self._db_ is None:
+        if self._env_ is None or self._dbs is None:
             shutil.rmtree(self.path, ignore_errors=True)
             os.makedirs(self.path)
             self._env_ = lmdb.open(
                 self.path,
                 map_size=self._map_size,
-                max_dbs=1,
+                max_dbs=2,
                 sync=False,
                 metasync=False,
                 readahead=False,
                 subdir=True,
             )
-            self._db_ = self._env_.open_db(_DB)
-        return self._env_, self._db_
+            self._dbs = (self._env_.open_db(_DB), self._env_.open_db(_IDX_DB))
+        return self._env_, self._dbs[0], self._dbs[1]
+
+    def _changed(self) -> None:
+        if len(self._pending) + len(self._pending_idx) >= self._batch:
+            self.commit()
 
     # -- writes ---------------------------------------------------------------
     def put(self, phys: int, rec: bytes) -> None:
-        self._pending[phys] = rec
-        if len(self._pending) >= self._batch:
-            self.commit()
+        self._pending[_KEY.pack(phys)] = rec
+        self._changed()
 
     def delete(self, phys: int) -> None:
-        self._pending[phys] = None
-        if len(self._pending) >= self._batch:
-            self.commit()
+        self._pending[_KEY.pack(phys)] = None
+        self._changed()
+
+    def index_put(self, qid: int, off: int, entry: IndexEntry) -> None:
+        self._pending_idx[_IKEY.pack(qid, off)] = _IVAL.pack(*entry)
+        self._changed()
+
+    def index_delete(self, qid: int, lo: int, hi: int) -> None:
+        for off in range(lo, hi):
+            self._pending_idx[_IKEY.pack(qid, off)] = None
+            self._changed()
 
     def commit(self) -> None:
-        if not self._pending:
+        if not self._pending and not self._pending_idx:
             return
-        items = sorted(self._pending.items())
-        env, db = self._open()
+        env, recs, idx = self._open()
+        batches = []
+        for db, pending in ((recs, self._pending), (idx, self._pending_idx)):
+            puts = sorted((k, v) for k, v in pending.items() if v is not None)
+            dels = [k for k, v in pending.items() if v is None]
+            batches.append((db, puts, dels))
         while True:
             try:
-                with env.begin(write=True, db=db) as txn:
-                    for phys, rec in items:
-                        if rec is None:
-                            txn.delete(_KEY.pack(phys))
-                        else:
-                            txn.put(_KEY.pack(phys), rec)
+                with env.begin(write=True) as txn:
+                    for db, puts, dels in batches:
+                        for key in dels:
+                            txn.delete(key, db=db)
+                        if puts:
+                            txn.cursor(db=db).putmulti(puts)
                 break
             except lmdb.MapFullError:
                 env.set_mapsize(env.info()["map_size"] * 2)
                 self.map_growths += 1
         self._pending.clear()
+        self._pending_idx.clear()
         self.commits += 1
 
-    def replace_all(self, items: Iterable[tuple[int, bytes]]) -> None:
+    def replace_all(
+        self,
+        records: Iterable[tuple[int, bytes]],
+        index: Iterable[tuple[int, int, tuple[array[int], ...]]],
+    ) -> None:
         self._pending.clear()
+        self._pending_idx.clear()
+        env, recs, idx = self._open()
+        with env.begin(write=True) as txn:
+            txn.drop(recs, delete=False)
+            txn.drop(idx, delete=False)
         batch: list[tuple[bytes, bytes]] = []
-        env, db = self._open()
-        with env.begin(write=True, db=db) as txn:
-            txn.drop(db, delete=False)
-        for phys, rec in items:
+        for phys, rec in records:
             batch.append((_KEY.pack(phys), rec))
             if len(batch) >= 65536:
-                self._put_many(batch)
+                self._put_many(recs, batch)
                 batch = []
-        self._put_many(batch)
+        self._put_many(recs, batch)
+        batch = []
+        for qid, lo, cols in index:
+            for k, e in enumerate(zip(*cols, strict=True)):
+                batch.append((_IKEY.pack(qid, lo + k), _IVAL.pack(*e)))
+                if len(batch) >= 65536:
+                    self._put_many(idx, batch)
+                    batch = []
+        self._put_many(idx, batch)
 
-    def _put_many(self, batch: list[tuple[bytes, bytes]]) -> None:
+    def _put_many(self, db: lmdb._Database, batch: list[tuple[bytes, bytes]]) -> None:
         if not batch:
             return
         batch.sort()
-        env, db = self._open()
+        env, _, _ = self._open()
         while True:
             try:
                 with env.begin(write=True, db=db) as txn:
-                    txn.cursor().putmulti(batch)
+                    txn.cursor(db=db).putmulti(batch)
                 return
             except lmdb.MapFullError:
                 env.set_mapsize(env.info()["map_size"] * 2)
                 self.map_growths += 1
 
     # -- reads ----------------------------------------------------------------
-    def get(self, phys: int) -> bytes:
-        if phys in self._pending:
-            rec = self._pending[phys]
+    def _read(self, key: bytes, pending: dict[bytes, bytes | None], which: int) -> bytes | None:
+        if key in pending:
+            return pending[key]
+        env, recs, idx = self._open()
+        db = recs if which == 0 else idx
+        if self._rtxn is not None:
+            value = self._rtxn.get(key, db=db)
         else:
-            env, db = self._open()
-            with env.begin(db=db) as txn:
-                rec = txn.get(_KEY.pack(phys))
+            with env.begin() as txn:
+                value = txn.get(key, db=db)
+        return None if value is None else bytes(value)
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        if self._rtxn is not None:  # nested: the outer one serves
+            yield
+            return
+        env, _, _ = self._open()
+        self._rtxn = env.begin()
+        try:
+            yield
+        finally:
+            self._rtxn.abort()
+            self._rtxn = None
+
+    def get(self, phys: int) -> bytes:
+        rec = self._read(_KEY.pack(phys), self._pending, 0)
         if rec is None:
             raise BodyMissing(f"no stored record at physical offset {phys}")
-        return bytes(rec)
+        return rec
 
-    def frozen_reader(self) -> Callable[[Sequence[int]], list[bytes]]:
+    def index_get(self, qid: int, off: int) -> IndexEntry:
+        value = self._read(_IKEY.pack(qid, off), self._pending_idx, 1)
+        if value is None:
+            raise BodyMissing(f"no index entry for queue {qid} offset {off}")
+        p, size, tag, ts = _IVAL.unpack(value)
+        return p, size, tag, ts
+
+    def freeze(self) -> Frozen:
         self.commit()
-        env, db = self._open()
-        txn = env.begin(db=db)  # MVCC: later commits stay invisible to it
-
-        def read(phys: Sequence[int]) -> list[bytes]:
-            out: list[bytes] = []
-            try:
-                for p in phys:
-                    rec = txn.get(_KEY.pack(p))
-                    if rec is None:
-                        raise BodyMissing(f"no stored record at physical offset {p}")
-                    out.append(bytes(rec))
-            finally:
-                txn.abort()
-            return out
-
-        return read
+        env, recs, idx = self._open()
+        return _LmdbFrozen(env.begin(), recs, idx)  # MVCC: later commits stay invisible
 
     def close(self) -> None:
         self._pending.clear()
+        self._pending_idx.clear()
+        if self._rtxn is not None:
+            self._rtxn.abort()
+            self._rtxn = None
         if self._env_ is not None:
             self._env_.close()
-            self._env_ = self._db_ = None
+            self._env_ = self._dbs = None

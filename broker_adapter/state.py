@@ -36,14 +36,14 @@ included) that applied the same entries holds the same state, so
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import struct
 import sys
 import zlib
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 from broker_adapter import codec
 from broker_adapter.bodies import Bodies, MemoryBodies
@@ -94,10 +94,98 @@ class MessageAck:
     msg_id: str
 
 
+AckRow = tuple[int, int, int, int]  # (queue, queue offset, physical offset, size)
+
+
+class Acks(Sequence[MessageAck]):
+    """The acknowledgements of one produce batch, in message order: a
+    sequence of :class:`MessageAck`, built only when someone looks.
+
+    Apply runs on every replica, but only the leader's answer is read (and
+    only while its client waits), so apply records what it already has (the
+    scanned record heads of the entry and each message's queue offset) and
+    rows, message ids and ``MessageAck`` objects are made on first use.
+    Equal when the rows and the broker's id prefix are equal, whichever way
+    they were built (apply, or a snapshot's dedup window)."""
+
+    __slots__ = ("_base", "_heads", "_id_prefix", "_qoffs", "_rows")
+
+    def __init__(self, id_prefix: str, rows: tuple[AckRow, ...]) -> None:
+        self._id_prefix = id_prefix
+        self._rows: tuple[AckRow, ...] | None = rows
+        self._base = 0
+        self._heads: list[tuple[int, int, int, int]] | None = None
+        self._qoffs: list[int] | None = None
+
+    @classmethod
+    def of_entry(
+        cls,
+        id_prefix: str,
+        base_pos: int,
+        heads: list[tuple[int, int, int, int]],
+        qoffs: list[int],
+    ) -> Acks:
+        """``heads[k]`` = (offset in the entry, size, queue, tag hash) of
+        message ``k``; ``qoffs[k]`` its queue offset; the entry at ``base_pos``."""
+        a = cls(id_prefix, ())
+        a._rows = None
+        a._base, a._heads, a._qoffs = base_pos, heads, qoffs
+        return a
+
+    def rows(self) -> tuple[AckRow, ...]:
+        rows = self._rows
+        if rows is None:
+            assert self._heads is not None and self._qoffs is not None
+            b = self._base
+            rows = self._rows = tuple(
+                [(h[2], qo, b + h[0], h[1]) for h, qo in zip(self._heads, self._qoffs, strict=True)]
+            )
+            self._heads = self._qoffs = None
+        return rows
+
+    def msg_ids(self) -> list[str]:
+        """Each message's id, as :meth:`BrokerState.msg_id` gives it."""
+        prefix = self._id_prefix
+        return [f"{prefix}{r[2]:016X}" for r in self.rows()]
+
+    def __len__(self) -> int:
+        return len(self._rows) if self._rows is not None else len(self._qoffs or ())
+
+    @overload
+    def __getitem__(self, i: int) -> MessageAck: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[MessageAck, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> MessageAck | tuple[MessageAck, ...]:
+        if isinstance(i, slice):
+            return tuple(self)[i]
+        q, qoff, phys, size = self.rows()[i]
+        return MessageAck(q, qoff, phys, size, f"{self._id_prefix}{phys:016X}")
+
+    def __iter__(self) -> Iterator[MessageAck]:
+        prefix = self._id_prefix
+        for q, qoff, phys, size in self.rows():
+            yield MessageAck(q, qoff, phys, size, f"{prefix}{phys:016X}")
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Acks):
+            return self._id_prefix == other._id_prefix and self.rows() == other.rows()
+        if isinstance(other, tuple):
+            return tuple(self) == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self._id_prefix, self.rows()))
+
+    def __repr__(self) -> str:
+        return f"Acks({list(self)!r})"
+
+
 @dataclass(frozen=True, slots=True)
 class ProduceResult:
     topic: str
-    acks: tuple[MessageAck, ...]
+    acks: Acks
     store_ts_ms: int
     duplicate: bool = False
 
@@ -164,33 +252,25 @@ class ReadResult:
 
 
 class _Queue:
-    """One ConsumeQueue: queue offset -> (physical offset, size, tag hash),
-    plus the store timestamp (reset by time, age retention). The records
-    themselves are in the state's :class:`~broker_adapter.bodies.Bodies`.
+    """One ConsumeQueue: queue offsets ``[lo, hi)`` are retained; the entry
+    of each (physical offset, size, tag hash, store time) and the records
+    themselves are in the state's :class:`~broker_adapter.bodies.Bodies`
+    under this queue's ``qid`` (a local number: never part of a snapshot)."""
 
-    Arrays index ``k`` holds queue offset ``base + k``; ``start`` is the first
-    retained index (retention clears the front lazily, then compacts)."""
+    __slots__ = ("hi", "lo", "qid")
 
-    __slots__ = ("base", "phys", "sizes", "start", "tags", "ts")
-
-    def __init__(self, base: int = 0) -> None:
-        self.base = base
-        self.start = 0
-        self.phys = array("q")
-        self.sizes = array("i")
-        self.tags = array("I")
-        self.ts = array("q")
+    def __init__(self, qid: int, lo: int = 0, hi: int | None = None) -> None:
+        self.qid = qid
+        self.lo = lo
+        self.hi = lo if hi is None else hi
 
     @property
     def min_offset(self) -> int:
-        return self.base + self.start
+        return self.lo
 
     @property
     def max_offset(self) -> int:
-        return self.base + len(self.phys)
-
-    def head_phys(self) -> int | None:
-        return self.phys[self.start] if self.start < len(self.phys) else None
+        return self.hi
 
 
 @dataclass(slots=True)
@@ -203,7 +283,7 @@ class _Topic:
 @dataclass(slots=True)
 class _Seq:
     last_seq: int
-    batches: list[tuple[int, int, tuple[MessageAck, ...], int]] = field(default_factory=list)
+    batches: list[tuple[int, int, Acks, int]] = field(default_factory=list)
     # (base_seq, count, acks, store_ts)
 
 
@@ -245,6 +325,7 @@ class BrokerState:
         self._groups: dict[str, dict[tuple[str, int], int]] = {}
         self._producers: dict[int, _Producer] = {}
         self._next_pid = 1
+        self._next_qid = 0  # local queue ids for the store (not replicated state)
         self.retention_max_bytes = 0
         self.retention_max_age_ms = 0
         self.producer_idle_ms = DEFAULT_PRODUCER_IDLE_MS
@@ -311,7 +392,7 @@ class BrokerState:
         codec.check_queue_count(queues)
         if name in self._topics:
             raise TopicExists(f"topic {name!r} already exists", field="topic")
-        self._topics[name] = _Topic(name, [_Queue() for _ in range(queues)])
+        self._topics[name] = _Topic(name, [self._new_queue() for _ in range(queues)])
         return self.topic(name)
 
     def _update_topic(self, name: str, queues: int) -> TopicInfo:
@@ -323,16 +404,18 @@ class BrokerState:
                 "(queue offsets of removed queues would be lost)",
                 "queues",
             )
-        t.queues.extend(_Queue() for _ in range(queues - len(t.queues)))
+        t.queues.extend(self._new_queue() for _ in range(queues - len(t.queues)))
         return self.topic(name)
 
     def _delete_topic(self, name: str) -> TopicDeleted:
         t = self._topic(name)
         for q in t.queues:
-            self.stored_bytes -= sum(q.sizes[q.start :])
-            self.stored_messages -= len(q.phys) - q.start
-            for phys in q.phys[q.start :]:
+            for off in range(q.lo, q.hi):
+                phys, size, _, _ = self.bodies.index_get(q.qid, off)
+                self.stored_bytes -= size
                 self.bodies.delete(phys)
+            self.stored_messages -= q.hi - q.lo
+            self.bodies.index_delete(q.qid, q.lo, q.hi)
         del self._topics[name]
         for offs in self._groups.values():
             for key in [k for k in offs if k[0] == name]:
@@ -357,10 +440,28 @@ class BrokerState:
         # 1. Scan and resolve everything; nothing changes before all checks pass.
         pos = p.records_start
         heads: list[tuple[int, int, int, int]] = []  # (entry offset, size, queue, tag hash)
+        add_head = heads.append
         rr = t.rr if t is not None else 0
         idem = p.base_seq >= 0
+        pid_queue = zlib.crc32(struct.pack(">Q", p.producer_id)) % nq if idem else 0
+        ndata = len(data)
+        scan = codec.RECORD_SCAN.unpack_from
+        scan_size = codec.RECORD_SCAN.size
+        fixed_size = codec.RECORD_FIXED_SIZE
+        crc32 = zlib.crc32
         for k in range(p.count):
-            size, q, shard, th = codec.record_header(data, pos)
+            # The common record (no sharding key) in one unpack; anything
+            # else, or anything out of bounds, through codec.record_header,
+            # which reads the same bytes and raises its own errors.
+            if pos + scan_size <= ndata:
+                size, _crc, _ver, _born, q, n_shard, n_tag = scan(data, pos)
+                if n_shard or size < fixed_size or pos + size > ndata:
+                    size, q, shard, th = codec.record_header(data, pos)
+                else:
+                    shard = ""
+                    th = crc32(data[pos + scan_size : pos + scan_size + n_tag]) if n_tag else 0
+            else:
+                size, q, shard, th = codec.record_header(data, pos)
             if q >= 0:
                 if q >= nq:
                     raise InvalidQueue(
@@ -368,13 +469,13 @@ class BrokerState:
                         f"messages[{k}].queue",
                     )
             elif shard:
-                q = zlib.crc32(shard.encode("utf-8")) % nq
+                q = crc32(shard.encode("utf-8")) % nq
             elif idem:
-                q = zlib.crc32(struct.pack(">Q", p.producer_id)) % nq
+                q = pid_queue
             else:
                 q = rr % nq
                 rr += 1
-            heads.append((pos, size, q, th))
+            add_head((pos, size, q, th))
             pos += size
         if pos != len(data):
             raise MalformedCommand("bytes after the last record")
@@ -423,25 +524,27 @@ class BrokerState:
                 )
         # 2. Mutate.
         if t is None:
-            t = _Topic(p.topic, [_Queue() for _ in range(nq)])
+            t = _Topic(p.topic, [self._new_queue() for _ in range(nq)])
             self._topics[p.topic] = t
         t.rr = rr
         now = self.now_ms
-        acks: list[MessageAck] = []
         base_pos = entry.pos
+        queues = t.queues
+        put = self.bodies.put
+        index_put = self.bodies.index_put
+        qoffs: list[int] = []
+        add_qoff = qoffs.append
         for off, size, q, th in heads:
-            cq = t.queues[q]
-            qoff = cq.max_offset
+            cq = queues[q]
+            qoff = cq.hi
+            add_qoff(qoff)
             phys = base_pos + off
-            cq.phys.append(phys)
-            cq.sizes.append(size)
-            cq.tags.append(th)
-            cq.ts.append(now)
-            self.bodies.put(phys, data[off : off + size])
-            acks.append(MessageAck(q, qoff, phys, size, self.msg_id(phys)))
-            self.stored_bytes += size
+            index_put(cq.qid, qoff, (phys, size, th, now))
+            cq.hi = qoff + 1
+            put(phys, data[off : off + size])
+        self.stored_bytes += pos - p.records_start  # the records are back to back
         self.stored_messages += len(heads)
-        result = ProduceResult(p.topic, tuple(acks), now)
+        result = ProduceResult(p.topic, Acks.of_entry(self._id_prefix, base_pos, heads, qoffs), now)
         if idem:
             assert prod is not None
             key = (p.topic, queue_of_batch)
@@ -519,8 +622,7 @@ class BrokerState:
             elif r.mode is ResetMode.LATEST:
                 off = cq.max_offset
             else:
-                k = bisect.bisect_left(cq.ts, r.timestamp_ms, cq.start)
-                off = cq.base + k
+                off = self._first_at_or_after(cq, r.timestamp_ms)
             out.append((r.topic, q, off))
         offs = self._groups.setdefault(r.group, {})
         for topic, q, off in out:
@@ -550,36 +652,51 @@ class BrokerState:
             self._enforce_age()
 
     def _drop_head(self, cq: _Queue) -> None:
-        size = cq.sizes[cq.start]
-        self.bodies.delete(cq.phys[cq.start])
-        cq.start += 1
+        phys, size, _, _ = self.bodies.index_get(cq.qid, cq.lo)
+        self.bodies.delete(phys)
+        self.bodies.index_delete(cq.qid, cq.lo, cq.lo + 1)
+        cq.lo += 1
         self.stored_bytes -= size
         self.stored_messages -= 1
-        if cq.start >= 1024 and cq.start * 2 >= len(cq.phys):
-            s = cq.start
-            del cq.phys[:s], cq.sizes[:s], cq.tags[:s], cq.ts[:s]
-            cq.base += s
-            cq.start = 0
+
+    def _head_phys(self, cq: _Queue) -> int | None:
+        return self.bodies.index_get(cq.qid, cq.lo)[0] if cq.lo < cq.hi else None
+
+    def _first_at_or_after(self, cq: _Queue, ts: int) -> int:
+        """The first retained queue offset stored at or after ``ts`` (store
+        times never decrease within a queue), or the max offset."""
+        lo, hi = cq.lo, cq.hi
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.bodies.index_get(cq.qid, mid)[3] < ts:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def _new_queue(self, lo: int = 0, hi: int | None = None) -> _Queue:
+        self._next_qid += 1
+        return _Queue(self._next_qid, lo, hi)
 
     def _all_queues(self) -> list[_Queue]:
         return [q for name in sorted(self._topics) for q in self._topics[name].queues]
 
     def _enforce_size(self) -> None:
         qs = self._all_queues()
-        heap = [(h, k) for k, q in enumerate(qs) if (h := q.head_phys()) is not None]
+        heap = [(h, k) for k, q in enumerate(qs) if (h := self._head_phys(q)) is not None]
         heapq.heapify(heap)
         while self.stored_bytes > self.retention_max_bytes and heap:
             _, k = heapq.heappop(heap)
             cq = qs[k]
             self._drop_head(cq)
-            h = cq.head_phys()
+            h = self._head_phys(cq)
             if h is not None:
                 heapq.heappush(heap, (h, k))
 
     def _enforce_age(self) -> None:
         cutoff = self.now_ms - self.retention_max_age_ms
         for cq in self._all_queues():
-            while cq.start < len(cq.ts) and cq.ts[cq.start] < cutoff:
+            while cq.lo < cq.hi and self.bodies.index_get(cq.qid, cq.lo)[3] < cutoff:
                 self._drop_head(cq)
 
     # ======================================================================
@@ -646,44 +763,46 @@ class BrokerState:
                     wanted.setdefault(codec.tag_hash(tg), set()).add(tg)
         out: list[StoredMessage] = []
         used = 0
-        k = offset - cq.base
-        end = len(cq.phys)
+        k = offset
+        end = cq.hi
         scanned = 0
-        while k < end and len(out) < max_messages and scanned < MAX_SCAN:
-            size = cq.sizes[k]
-            if out and used + size > max_bytes:
-                break
-            scanned += 1
-            if wanted is not None and cq.tags[k] not in wanted:
+        index_get = self.bodies.index_get
+        with self.bodies.reading():
+            while k < end and len(out) < max_messages and scanned < MAX_SCAN:
+                phys, size, th, ts = index_get(cq.qid, k)
+                if out and used + size > max_bytes:
+                    break
+                scanned += 1
+                if wanted is not None and th not in wanted:
+                    k += 1
+                    continue
+                m = self._message(topic, queue, k, phys, size, ts)
                 k += 1
-                continue
-            m = self._message(topic, queue, cq, k)
-            k += 1
-            if wanted is not None and m.tag not in wanted.get(cq.tags[k - 1], ()):
-                continue
-            out.append(m)
-            used += size
-        return ReadResult(tuple(out), cq.base + k, lo, hi)
+                if wanted is not None and m.tag not in wanted.get(th, ()):
+                    continue
+                out.append(m)
+                used += size
+        return ReadResult(tuple(out), k, lo, hi)
 
-    def _message(self, topic: str, queue: int, cq: _Queue, k: int) -> StoredMessage:
-        phys = cq.phys[k]
+    def _message(
+        self, topic: str, queue: int, off: int, phys: int, size: int, ts: int
+    ) -> StoredMessage:
         try:
             rec = codec.decode_record(self.bodies.get(phys))
         except MalformedCommand as exc:
             # The index names it, so it was applied whole: the record store
             # is damaged. Reported (503 at the API), never served.
             raise StorageCorrupted(
-                f"message {topic}/{queue}@{cq.base + k} (physical offset {phys}) cannot be "
-                f"read back: {exc}"
+                f"message {topic}/{queue}@{off} (physical offset {phys}) cannot be read back: {exc}"
             ) from None
         return StoredMessage(
             topic,
             queue,
-            cq.base + k,
+            off,
             phys,
-            cq.sizes[k],
+            size,
             self.msg_id(phys),
-            cq.ts[k],
+            ts,
             rec.born_ts_ms,
             rec.tag,
             rec.keys,
@@ -722,14 +841,10 @@ class BrokerState:
         """Cheap copies of everything the snapshot holds (array slices are
         memcpy, list slices copy pointers to immutable bytes); the returned
         function converts them into the snapshot value, off the apply path."""
-        _Frozen = tuple[int, tuple["array[int]", ...]]
-        frozen_topics: list[tuple[str, int, list[_Frozen]]] = []
-        for name, t in self._topics.items():
-            qs: list[_Frozen] = []
-            for q in t.queues:
-                s = q.start
-                qs.append((q.min_offset, (q.phys[s:], q.sizes[s:], q.tags[s:], q.ts[s:])))
-            frozen_topics.append((name, t.rr, qs))
+        frozen_topics = [
+            (name, t.rr, [(q.qid, q.lo, q.hi) for q in t.queues])
+            for name, t in self._topics.items()
+        ]
         groups = {
             g: {f"{tp}\x00{q}": off for (tp, q), off in offs.items()}
             for g, offs in self._groups.items()
@@ -745,7 +860,7 @@ class BrokerState:
                             base,
                             count,
                             ts,
-                            [[a.queue, a.queue_offset, a.phys_offset, a.size] for a in acks],
+                            [list(row) for row in acks.rows()],
                         ]
                         for base, count, acks, ts in st.batches
                     ],
@@ -767,23 +882,20 @@ class BrokerState:
             "stored": [self.stored_bytes, self.stored_messages],
         }
 
-        read_bodies = self.bodies.frozen_reader()
+        frozen = self.bodies.freeze()
 
         def value() -> dict[str, object]:
-            every = array("q")
-            for _, _, qs in frozen_topics:
-                for _, arrays in qs:
-                    every.extend(arrays[0])
-            recs = read_bodies(every)
-            topics: dict[str, object] = {}
-            k = 0
-            for name, rr, qs in frozen_topics:
-                out = []
-                for mn, arrays in qs:
-                    n = len(arrays[0])
-                    out.append([mn, *(_u64_bytes(array("q", a)) for a in arrays), recs[k : k + n]])
-                    k += n
-                topics[name] = [rr, out]
+            try:
+                topics: dict[str, object] = {}
+                for name, rr, qs in frozen_topics:
+                    out = []
+                    for qid, lo, hi in qs:
+                        cols = frozen.columns(qid, lo, hi)
+                        recs = frozen.records(cols[0])
+                        out.append([lo, *(_u64_bytes(a) for a in cols), recs])
+                    topics[name] = [rr, out]
+            finally:
+                frozen.close()
             return {**head, "topics": topics, "groups": groups, "producers": producers}
 
         return value
@@ -861,6 +973,7 @@ class BrokerState:
 
         st = cls(s(v["broker"]), MemoryBodies())  # the real store is filled once all is valid
         records: list[tuple[int, bytes]] = []
+        index: list[tuple[int, int, tuple[array[int], ...]]] = []
         st.applied_index = i(v["applied"])
         st.confirm_offset = i(v["confirm"])
         st.now_ms = i(v["now"])
@@ -880,15 +993,13 @@ class BrokerState:
             queues = []
             for qv in lst(qs):
                 mn, phys, sizes, tags, ts, recs = lst(qv)
-                q = _Queue(i(mn))
-                q.phys = _from_bytes("q", b(phys))
-                q.sizes = array("i", _from_bytes("q", b(sizes)))
-                q.tags = array("I", _from_bytes("q", b(tags)))
-                q.ts = _from_bytes("q", b(ts))
+                cols = tuple(_from_bytes("q", b(x)) for x in (phys, sizes, tags, ts))
                 recs_l = [b(r) for r in lst(recs)]
-                if not len(q.phys) == len(q.sizes) == len(q.tags) == len(q.ts) == len(recs_l):
+                if not all(len(c) == len(recs_l) for c in cols):
                     raise ValueError("queue arrays of different lengths")
-                records.extend(zip(q.phys, recs_l, strict=True))
+                q = st._new_queue(i(mn), i(mn) + len(recs_l))
+                records.extend(zip(cols[0], recs_l, strict=True))
+                index.append((q.qid, q.lo, cols))
                 queues.append(q)
             st._topics[s(name)] = _Topic(s(name), queues, i(rr))
         for g, offs in d(v["groups"]).items():
@@ -910,9 +1021,12 @@ class BrokerState:
                         (
                             i(base),
                             i(count),
-                            tuple(
-                                MessageAck(i(a[0]), i(a[1]), i(a[2]), i(a[3]), st.msg_id(i(a[2])))
-                                for a in (lst(x) for x in lst(acks))
+                            Acks(
+                                st._id_prefix,
+                                tuple(
+                                    (i(a[0]), i(a[1]), i(a[2]), i(a[3]))
+                                    for a in (lst(x) for x in lst(acks))
+                                ),
                             ),
                             i(ts),
                         )
@@ -920,5 +1034,5 @@ class BrokerState:
                 prod.seqs[(tp, int(qs_))] = seq
             st._producers[i(pid)] = prod
         st.bodies = bodies if bodies is not None else MemoryBodies()
-        st.bodies.replace_all(records)
+        st.bodies.replace_all(records, index)
         return st

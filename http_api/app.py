@@ -46,7 +46,7 @@ import orjson
 from aiohttp import web
 
 from broker_adapter import codec
-from broker_adapter.codec import CommandKind, Limits, Message, ResetMode
+from broker_adapter.codec import CommandKind, Limits, MessageRow, ResetMode
 from broker_adapter.errors import BrokerError, InvalidArgument
 from broker_adapter.node_sm import BrokerStateMachine
 from broker_adapter.state import (
@@ -305,10 +305,7 @@ class BrokerApi:
     async def produce(self, request: web.Request) -> web.Response:
         topic = codec.check_name(request.match_info["topic"])
         body = await self._body(request)
-        raw_msgs = body.get("messages")
-        if not isinstance(raw_msgs, list) or not raw_msgs:
-            raise InvalidArgument("messages must be a non-empty list", field="messages")
-        msgs = [_parse_message(m, k) for k, m in enumerate(raw_msgs)]
+        msgs = parse_messages(body.get("messages"))
         pid = _opt_int(body, "producer_id", 0, 1 << 64)
         epoch = _opt_int(body, "epoch", 0, 1 << 32)
         seq = _opt_int(body, "sequence", 0, 1 << 62)
@@ -321,7 +318,7 @@ class BrokerApi:
         auto = self.auto_create_queues
         if not auto and not self.sm.broker.has_topic(topic):
             self.sm.broker.topic(topic)  # raises UnknownTopic, before proposing
-        data = codec.encode_produce(
+        data = codec.encode_produce_rows(
             topic,
             msgs,
             self._now_ms(),
@@ -335,24 +332,7 @@ class BrokerApi:
             return json_response(faults.ack_before_commit(self.node, self.sm.broker, topic, msgs, data))
         res = await self._propose(request, data)
         assert isinstance(res, ProduceResult)
-        return json_response(
-            {
-                "topic": res.topic,
-                "duplicate": res.duplicate,
-                "store_ts_ms": res.store_ts_ms,
-                "messages": [
-                    {
-                        "queue": a.queue,
-                        "queue_offset": a.queue_offset,
-                        "commit_offset": a.phys_offset,
-                        "size": a.size,
-                        "msg_id": a.msg_id,
-                        "duplicate": res.duplicate,
-                    }
-                    for a in res.acks
-                ],
-            }
-        )
+        return json_response(produce_json(res))
 
     async def register_producer(self, request: web.Request) -> web.Response:
         body = await self._body(request)
@@ -652,7 +632,43 @@ def _str_field(m: dict[str, Any], name: str, where: str) -> str:
     return v
 
 
-def _parse_message(m: object, k: int) -> Message:
+def parse_messages(raw_msgs: object) -> list[MessageRow]:
+    """The ``messages`` of a produce request, as the encoder's rows; raises
+    InvalidArgument naming the first field at fault.
+
+    Most messages are ``{"value": ...}`` with at most an ``encoding``: those
+    take an inline path; anything else (or anything that path would refuse)
+    goes through :func:`_parse_message`, which accepts and refuses exactly
+    as before, so both paths agree on every input (tests/http/test_parse.py).
+    A message without ``born_ts_ms`` is born at the request's arrival."""
+    if not isinstance(raw_msgs, list) or not raw_msgs:
+        raise InvalidArgument("messages must be a non-empty list", field="messages")
+    now = int(time.time() * 1000)
+    out: list[MessageRow] = []
+    add = out.append
+    a2b = binascii.a2b_base64
+    for k, m in enumerate(raw_msgs):
+        if type(m) is dict and len(m) <= 2:
+            value = m.get("value")
+            if type(value) is str:
+                # One key: it is "value". Two: the other must be "encoding".
+                encoding = m.get("encoding") if len(m) == 2 else "base64"
+                if encoding == "utf-8":
+                    add((value.encode("utf-8"), "", (), (), None, None, now))
+                    continue
+                if encoding == "base64":
+                    try:
+                        body = a2b(value, strict_mode=True)
+                    except ValueError:  # binascii.Error included: refused below
+                        pass
+                    else:
+                        add((body, "", (), (), None, None, now))
+                        continue
+        add(_parse_message(m, k, now))
+    return out
+
+
+def _parse_message(m: object, k: int, now_ms: int) -> MessageRow:
     where = f"messages[{k}]"
     if not isinstance(m, dict):
         raise InvalidArgument("each message must be an object", field=where)
@@ -662,8 +678,9 @@ def _parse_message(m: object, k: int) -> Message:
         raise InvalidArgument(f"{where}.value must be a string", field=f"{where}.value")
     if encoding == "base64":
         try:
-            body = base64.b64decode(value, validate=True)
-        except (binascii.Error, ValueError):
+            # what base64.b64decode(value, validate=True) does, without its wrapper
+            body = binascii.a2b_base64(value, strict_mode=True)
+        except ValueError:  # binascii.Error, or a str that is not ASCII
             raise InvalidArgument(
                 f"{where}.value is not valid base64", field=f"{where}.value"
             ) from None
@@ -702,18 +719,38 @@ def _parse_message(m: object, k: int) -> Message:
             f"{where}.queue must be an integer within 0..{codec.MAX_QUEUES - 1}",
             field=f"{where}.queue",
         )
-    born = m.get("born_ts_ms", int(time.time() * 1000))
+    born = m.get("born_ts_ms", now_ms)
     if not isinstance(born, int) or isinstance(born, bool) or not 0 <= born < 1 << 62:
         raise InvalidArgument(f"{where}.born_ts_ms must be an integer", field=f"{where}.born_ts_ms")
-    return Message(
-        body=body,
-        tag=tags,
-        keys=keys,
-        properties=tuple(sorted(props.items())),
-        queue=queue,
-        sharding_key=_str_field(m, "sharding_key", where) or None,
-        born_ts_ms=born,
+    return (
+        body,
+        tags,
+        keys,
+        tuple(sorted(props.items())),
+        queue,
+        _str_field(m, "sharding_key", where) or None,
+        born,
     )
+
+
+def produce_json(res: ProduceResult) -> dict[str, Any]:
+    acks, dup = res.acks, res.duplicate
+    return {
+        "topic": res.topic,
+        "duplicate": res.duplicate,
+        "store_ts_ms": res.store_ts_ms,
+        "messages": [
+            {
+                "queue": q,
+                "queue_offset": qoff,
+                "commit_offset": phys,
+                "size": size,
+                "msg_id": msg_id,
+                "duplicate": dup,
+            }
+            for (q, qoff, phys, size), msg_id in zip(acks.rows(), acks.msg_ids(), strict=True)
+        ],
+    }
 
 
 def _topic_json(t: TopicInfo) -> dict[str, Any]:

@@ -1,0 +1,117 @@
+"""The produce parser's inline path for the common message shape
+(``{"value": ...}`` plus at most ``encoding``) must accept and refuse exactly
+what the general parser does, with the same error and field. No cluster."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broker_adapter.errors import BrokerError
+from http_api.app import _parse_message, parse_messages
+
+SETTINGS = settings(max_examples=400, deadline=None)
+
+_b64 = st.binary(max_size=64).map(lambda b: base64.b64encode(b).decode())
+_b64ish = st.text(alphabet="ABCDab01+/=\n -_é", max_size=12)
+_values = st.one_of(_b64, _b64ish, st.text(max_size=20), st.none(), st.integers(), st.binary())
+_encodings = st.sampled_from(["utf-8", "base64", "UTF-8", "", "latin-1", None, 5, ["utf-8"]])
+_extras = st.dictionaries(
+    st.sampled_from(
+        ["keys", "key", "tags", "tag", "properties", "queue", "sharding_key", "born_ts_ms", "x"]
+    ),
+    st.one_of(st.none(), st.integers(-2, 2000), st.text(max_size=3), st.lists(st.text(max_size=2))),
+    max_size=2,
+)
+
+
+@st.composite
+def _message(draw: st.DrawFn) -> object:
+    shape = draw(st.integers(0, 5))
+    if shape == 0:  # not an object at all
+        return draw(st.one_of(st.none(), st.integers(), st.text(max_size=3), st.lists(st.none())))
+    m: dict[str, Any] = {}
+    if shape != 1:  # shape 1: no value
+        m["value"] = draw(_values)
+    if shape in (3, 4, 5):
+        m["encoding"] = draw(_encodings)
+    if shape in (2, 5):
+        m.update(draw(_extras))
+    return m
+
+
+def _outcome(fn: Any, *args: Any) -> tuple[str, object]:
+    try:
+        return "ok", fn(*args)
+    except BrokerError as exc:
+        return "refused", (type(exc).__name__, str(exc), exc.to_dict())
+    except Exception as exc:  # a crash must at least be the same crash
+        return "raised", (type(exc).__name__, str(exc))
+
+
+@SETTINGS
+@given(st.lists(_message(), min_size=1, max_size=4))
+def test_inline_and_general_parsers_agree(msgs: list[object]) -> None:
+    fast = _outcome(parse_messages, msgs)
+    now = 1_700_000_000_000
+    if fast[0] == "ok":
+        # A message without born_ts_ms is born at the request's time: give
+        # the general parser the time the inline path used.
+        rows = fast[1]
+        assert isinstance(rows, list)
+        for m, row in zip(msgs, rows, strict=True):
+            if isinstance(m, dict) and "born_ts_ms" not in m:
+                now = row[6]
+
+    def general(ms: list[object]) -> list[object]:
+        return [_parse_message(m, k, now) for k, m in enumerate(ms)]
+
+    assert fast == _outcome(general, msgs)
+
+
+def test_common_shapes_parse_to_plain_rows() -> None:
+    rows = parse_messages(
+        [
+            {"value": "aGk="},
+            {"value": "hi", "encoding": "utf-8"},
+            {"value": "aGk=", "encoding": "base64"},
+        ]
+    )
+    assert [r[0] for r in rows] == [b"hi", b"hi", b"hi"]
+    assert all(r[1:6] == ("", (), (), None, None) for r in rows)
+    assert len({r[6] for r in rows}) == 1  # one arrival time per request
+
+
+def test_refusals_name_the_field() -> None:
+    cases: list[tuple[object, str]] = [
+        ({"value": "a=b="}, "messages[1].value"),
+        ({"value": "é"}, "messages[1].value"),
+        ({"value": "aGk=", "encoding": "utf8"}, "messages[1].encoding"),
+        ({"value": 5}, "messages[1].value"),
+        ({"value": "aGk=", "tags": 3}, "messages[1].tags"),
+        ("x", "messages[1]"),
+    ]
+    for bad, field in cases:
+        outcome = _outcome(parse_messages, [{"value": "aGk="}, bad])
+        assert outcome[0] == "refused", bad
+        assert outcome[1][2]["field"] == field  # type: ignore[index]
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.one_of(_b64, _b64ish, st.text(max_size=12)))
+def test_strict_a2b_base64_is_b64decode_validate(s: str) -> None:
+    """The parsers call binascii.a2b_base64(strict_mode=True) directly; it
+    must accept and refuse what base64.b64decode(validate=True) does."""
+    try:
+        want: bytes | None = base64.b64decode(s, validate=True)
+    except ValueError:
+        want = None
+    try:
+        got: bytes | None = binascii.a2b_base64(s, strict_mode=True)
+    except ValueError:
+        got = None
+    assert got == want

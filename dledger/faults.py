@@ -120,13 +120,8 @@ _predicted: dict[tuple[str, int], int] = {}
 _background: set[asyncio.Future[Any]] = set()
 
 
-class _Msg(Protocol):
-    @property
-    def queue(self) -> int | None: ...
-
-
 def ack_before_commit(
-    node: Any, broker: Any, topic: str, msgs: Sequence[_Msg], data: bytes
+    node: Any, broker: Any, topic: str, queues_asked: Sequence[int | None], data: bytes
 ) -> dict[str, Any]:
     """ack_before_commit: the response a produce gets before its entry commits.
 
@@ -135,8 +130,8 @@ def ack_before_commit(
     """
     queues = broker.topic(topic).queues
     acks = []
-    for m in msgs:
-        q = m.queue if m.queue is not None else 0
+    for asked in queues_asked:
+        q = asked if asked is not None else 0
         off = max(int(queues[q].max_offset), _predicted.get((topic, q), 0))
         _predicted[(topic, q)] = off + 1
         acks.append(

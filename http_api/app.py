@@ -329,7 +329,10 @@ class BrokerApi:
             limits=self.limits,
         )
         if faults.on(faults.ACK_BEFORE_COMMIT):  # planted bug (dledger/faults.py), tests only
-            return json_response(faults.ack_before_commit(self.node, self.sm.broker, topic, msgs, data))
+            queues_asked = [m[4] for m in msgs]  # MessageRow: (..., queue, ...)
+            return json_response(
+                faults.ack_before_commit(self.node, self.sm.broker, topic, queues_asked, data)
+            )
         res = await self._propose(request, data)
         assert isinstance(res, ProduceResult)
         return json_response(produce_json(res))

@@ -218,7 +218,11 @@ class _LmdbFrozen:
 class LmdbBodies:
     """See the module docstring. ``path`` is emptied when first used."""
 
-    def __init__(self, path: str, *, batch: int = 4096, map_size: int = 1 << 28) -> None:
+    # The map is address space, not memory or disk (the file grows as pages
+    # are written), so it starts huge: growing it needs no transaction open in
+    # the process, and a snapshot's frozen read transaction may be open for
+    # seconds in a worker thread.
+    def __init__(self, path: str, *, batch: int = 4096, map_size: int = 1 << 40) -> None:
         self.path = path
         self._batch = batch
         self._map_size = map_size

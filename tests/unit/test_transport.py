@@ -274,11 +274,28 @@ def wire_up(*ts: TcpTransport) -> None:
         t.update_peers(addrs)
 
 
-def free_port() -> int:
+_HELD: list[socket.socket] = []
+
+
+def port_to_listen_on() -> int:
+    """A port free now, for a listener the test starts later."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def free_port() -> int:
+    """A port nothing listens on and that stays reserved for the whole test
+    session: the socket is bound but never listens (connecting is refused),
+    and it is kept open, so the OS cannot hand the same number to a listener
+    of the test itself (a node dialing its own listener as "peer 2" counts a
+    rejected handshake: a flaky count, seen once in CI)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    _HELD.append(s)
+    port: int = s.getsockname()[1]
+    return port
 
 
 async def read_until_closed(reader: asyncio.StreamReader) -> bytes:
@@ -574,7 +591,7 @@ async def test_queue_is_bounded_for_an_unreachable_peer(make: Factory) -> None:
 
 
 async def test_queued_messages_flow_once_peer_appears(make: Factory) -> None:
-    port = free_port()
+    port = port_to_listen_on()
     a, _ = await make(1, peers={2: ("127.0.0.1", port)})
     for i in range(10):
         assert a.send(2, b"%d" % i)

@@ -214,12 +214,17 @@ def _check_polls(key: str, ops: list[Operation], out: _Anomalies) -> None:
 
 def _check_stale(key: str, ops: list[Operation], out: _Anomalies) -> None:
     acks = sorted(
-        (op.complete_ns, op.offset, op)
-        for op in ops
-        if op.f == "produce"
-        and op.status == "ok"
-        and op.complete_ns is not None
-        and op.offset is not None
+        (
+            (op.complete_ns, op.offset, op)
+            for op in ops
+            if op.f == "produce"
+            and op.status == "ok"
+            and op.complete_ns is not None
+            and op.offset is not None
+        ),
+        # never compare the Operation itself: two acks may share a completion
+        # time and an offset (a duplicate, reported elsewhere)
+        key=lambda a: (a[0], a[1]),
     )
     if not acks:
         return

@@ -773,3 +773,21 @@ def test_a_group_offset_read_back_below_an_acknowledged_commit_is_a_regression()
     q = queue.check(hist(7))
     assert q["anomaly_types"] == ["offset-regression"]
     assert q["examples"]["offset-regression"][0]["committed"] == 12
+
+
+def test_two_acks_with_the_same_completion_time_and_offset_are_reported_not_a_crash() -> None:
+    """The stale-read scan sorts acknowledged writes by completion time and
+    offset; a tie on both (two values acknowledged at one offset) must be
+    reported as inconsistent offsets, not crash on comparing operations."""
+
+    def hist(w: Writer) -> None:
+        w.invoke(1, "produce", K, value="a", time_ns=10)
+        w.invoke(2, "produce", K, value="b", time_ns=11)
+        w.ok(1, offset=0, time_ns=20)
+        w.ok(2, offset=0, time_ns=20)
+        w.invoke(0, "read", K, offset=0, consistency=LIN, time_ns=30)
+        w.ok(0, value=[[0, "a"]], time_ns=40)
+
+    result = queue.check(build(hist))  # raised TypeError before the fix
+    assert result["verdict"] == "invalid"
+    assert result["counts"]["inconsistent-offsets"] == 1

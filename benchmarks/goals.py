@@ -130,13 +130,23 @@ def evaluate(figs: dict[str, Figure]) -> list[dict[str, Any]]:
         )
     )
     out.append(_memory_goal(figs))
+    out.append(
+        _memory_goal(
+            figs,
+            "rss_anon_mb",
+            "per-node anonymous RSS (heap; VmRSS minus mapped LMDB pages) flat from 1M to 10M",
+        )
+    )
     return out
 
 
-def _memory_goal(figs: dict[str, Figure]) -> dict[str, Any]:
-    goal = "per-node RSS flat from 1M to 10M stored messages"
-    a = figs.get("cost_growth.1000000.rss_mb")
-    b = figs.get("cost_growth.10000000.rss_mb")
+def _memory_goal(
+    figs: dict[str, Figure],
+    metric: str = "rss_mb",
+    goal: str = "per-node RSS flat from 1M to 10M stored messages",
+) -> dict[str, Any]:
+    a = figs.get(f"cost_growth.1000000.{metric}")
+    b = figs.get(f"cost_growth.10000000.{metric}")
     if a and b:
         g = b.median - a.median
         return _goal(
@@ -145,7 +155,7 @@ def _memory_goal(figs: dict[str, Figure]) -> dict[str, Any]:
     pts = sorted(
         (int(k.split(".")[1]), f.median)
         for k, f in figs.items()
-        if k.startswith("cost_growth.") and k.endswith(".rss_mb") and k.split(".")[1].isdigit()
+        if k.startswith("cost_growth.") and k.endswith(f".{metric}") and k.split(".")[1].isdigit()
     )
     if len(pts) >= 2:
         (m0, r0), (m1, r1) = pts[0], pts[-1]

@@ -64,11 +64,11 @@ class BrokerStateMachine(LogStateMachine):
 
     def snapshot_builder(self) -> Callable[[], bytes]:
         records = super().snapshot_builder()
-        broker = self.broker.snapshot_builder()
+        broker = self.broker.snapshot_chunks_builder()
 
         def build() -> bytes:
             r = records()
-            return _LEN.pack(len(r)) + r + broker()
+            return b"".join([_LEN.pack(len(r)), r, *broker()])
 
         return build
 

@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from dledger.cluster import free_ports
 from dledger.config import NodeConfig
-from dledger.node import Node
-from http_api.server import make_node_app, make_state_machine
 from tests.http.conformance import Conformance
+from tests.http.onenode import serve_one_node
 
 
 @pytest.fixture
@@ -35,19 +34,8 @@ async def client(tmp_path: Path) -> AsyncIterator[TestClient[Any, Any]]:
         data_dir=str(tmp_path / "n1"),
         max_entry_bytes=256 << 10,
     )
-    node = Node(cfg, make_state_machine(cfg))
-    await node.start()
-    deadline = time.monotonic() + 10
-    while not node.leader_ready():
-        assert time.monotonic() < deadline, "a one-node cluster did not elect itself"
-        await asyncio.sleep(0.02)
-    c: TestClient[Any, Any] = TestClient(TestServer(make_node_app(node)))
-    await c.start_server()
-    try:
+    async with serve_one_node(cfg) as c:
         yield c
-    finally:
-        await c.close()
-        await node.stop()
 
 
 _CONFORMANCE: dict[int, Conformance] = {}

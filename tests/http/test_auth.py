@@ -10,21 +10,18 @@ still find the leader."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from dledger.cluster import free_ports, http_request
 from dledger.config import AuthSpec, NodeConfig, TokenSpec
 from dledger.http_auth import ROUTE_ROLES
-from dledger.node import Node
-from http_api.server import make_node_app, make_state_machine
 from tests.http.apiclient import ApiCluster
+from tests.http.onenode import serve_one_node
 
 PRODUCE = "produce-token-0123456789"
 CONSUME = "consume-token-0123456789"
@@ -54,19 +51,8 @@ async def client(tmp_path: Path) -> AsyncIterator[TestClient[Any, Any]]:
         data_dir=str(tmp_path / "n1"),
         auth=AUTH,
     )
-    node = Node(cfg, make_state_machine(cfg))
-    await node.start()
-    deadline = time.monotonic() + 10
-    while not node.leader_ready():
-        assert time.monotonic() < deadline, "a one-node cluster did not elect itself"
-        await asyncio.sleep(0.02)
-    c: TestClient[Any, Any] = TestClient(TestServer(make_node_app(node)))
-    await c.start_server()
-    try:
+    async with serve_one_node(cfg) as c:
         yield c
-    finally:
-        await c.close()
-        await node.stop()
 
 
 def _routes(c: TestClient[Any, Any]) -> list[tuple[str, str]]:

@@ -102,6 +102,10 @@ FAULT_LEASE_IGNORES_EXPIRY = "lease_ignores_expiry"  # serve reads under an expi
 FAULT_TRUNCATE_WITHOUT_CONFLICT = "truncate_without_conflict"  # SCENARIOS 6
 FAULT_INSTALL_STALE_SNAPSHOT = "install_stale_snapshot"  # SCENARIOS 9: roll back to it
 FAULT_FOLLOWER_COMMITS_AHEAD = "follower_commits_ahead"  # SCENARIOS 16 (dledger/faults.py)
+# issue #12 bug 1: campaign / honour TimeoutNow with a committed conf change unapplied
+FAULT_CAMPAIGN_UNAPPLIED_CONF = "campaign_unapplied_conf"
+# issue #12 bug 2: a node that believes it is a learner ignores (pre-)vote requests
+FAULT_LEARNER_IGNORES_VOTES = "learner_ignores_votes"
 CORE_FAULTS = frozenset(
     {
         FAULT_COMMIT_OLD_TERM,
@@ -111,6 +115,8 @@ CORE_FAULTS = frozenset(
         FAULT_TRUNCATE_WITHOUT_CONFLICT,
         FAULT_INSTALL_STALE_SNAPSHOT,
         FAULT_FOLLOWER_COMMITS_AHEAD,
+        FAULT_CAMPAIGN_UNAPPLIED_CONF,
+        FAULT_LEARNER_IGNORES_VOTES,
     }
 )
 
@@ -458,6 +464,9 @@ class RawNode:
         if FAULT_LEASE_IGNORES_EXPIRY in self._faults:
             return self._lease_expiry_tick >= 0
         return self._tick_count < self._lease_expiry_tick
+
+    def suspend_lease(self) -> None:
+        self._lease_expiry_tick = -1  # TEMP stub, main has the real one
 
     def lease_remaining_ticks(self) -> int:
         return max(0, self._lease_expiry_tick - self._tick_count) if self.lease_valid() else 0

@@ -1,7 +1,9 @@
 """``python -m dledger.sim``: run many seeds of the cluster simulation.
 
-Prints progress lines, steps per second, and for a failing seed the exact
-command that reproduces it with its trace tail.
+Each seed runs real :class:`dledger.node.Node` instances on virtual time
+(see :mod:`dledger.sim.cluster`). Prints progress lines, steps per second,
+and for a failing seed the exact command that reproduces it with its trace
+tail. ``--stop-on-failure`` (the default) stops at the first violation.
 """
 
 from __future__ import annotations
@@ -66,9 +68,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-membership", action="store_true")
     ap.add_argument("--no-check-quorum", action="store_true", help="no stickiness or lease")
-    ap.add_argument("--jobs", type=int, default=mp.cpu_count())
-    ap.add_argument("--stop-on-failure", action="store_true", default=True)
+    ap.add_argument("--jobs", type=int, default=min(2, mp.cpu_count()))
+    ap.add_argument(
+        "--flush",
+        default="sync",
+        choices=["sync", "async"],
+        help="node flush mode; async may lose acknowledged writes when a majority crashes",
+    )
+    ap.add_argument(
+        "--stop-on-failure",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="stop at the first violation (default: yes)",
+    )
     a = ap.parse_args(argv)
+    if a.voters is not None and a.profile != "mixed":
+        ap.error(
+            f"--profile {a.profile} sets its own cluster shape; it cannot be combined with "
+            "--voters (use --profile alone, or --voters with the standard mix)"
+        )
+    if a.jobs < 1:
+        ap.error("--jobs must be >= 1")
     faults = frozenset(a.fault)
     seeds = [a.seed] if a.seed is not None else list(range(a.first_seed, a.first_seed + a.seeds))
     overrides: dict[str, Any] = {}
@@ -76,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides["membership"] = False
     if a.no_check_quorum:
         overrides["check_quorum"] = False
+    if a.flush != "sync":
+        overrides["flush"] = a.flush
     jobs: list[Job] = [
         (s, a.steps, a.voters, a.learners, faults, overrides, a.profile) for s in seeds
     ]
@@ -107,14 +129,21 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.jobs > 1 and len(jobs) > 1:
         with mp.get_context("fork").Pool(a.jobs) as pool:
-            for res in pool.imap_unordered(_one, jobs, chunksize=4):
+            for res in pool.imap_unordered(_one, jobs, chunksize=1):
                 report(res)
+                if failures and a.stop_on_failure:
+                    pool.terminate()
+                    break
     else:
         for j in jobs:
             report(_one(j))
+            if failures and a.stop_on_failure:
+                break
+    if failures and a.stop_on_failure and done < len(jobs):
+        print(f"stopped at the first violation after {done} of {len(jobs)} seeds")
     elapsed = time.monotonic() - t0
     print(
-        f"done: {len(jobs)} seeds, {total_steps} steps in {elapsed:.1f}s "
+        f"done: {done} seeds, {total_steps} steps in {elapsed:.1f}s "
         f"({total_steps / max(elapsed, 1e-9):,.0f} steps/s), {len(failures)} violation(s)"
     )
     return 1 if failures else 0

@@ -50,12 +50,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dledger.config import MemberSpec, NodeConfig
+from dledger.core.codec import decode_message
 from dledger.core.raft import CORE_FAULTS, RawNode
 from dledger.core.types import (
     NONE,
     ClusterConfig,
     Entry,
     EntryType,
+    MsgType,
     RaftConfig,
     ReadMode,
     Role,
@@ -63,6 +65,7 @@ from dledger.core.types import (
 from dledger.errors import DLedgerError
 from dledger.node import NODE_FAULTS, Node
 from dledger.runtime import NodeEnv, NodeStorage
+from dledger.snapshot_stream import is_stream_frame
 from dledger.sim.world import Host, HostCrashed, SimStorage
 
 FAULT_NO_FSYNC = "no_fsync"  # sim-level: acknowledge without syncing (SCENARIOS 11)
@@ -111,10 +114,13 @@ class SimConfig:
     log_cache_entries_max: int = 65536
     log_cache_bytes_max: int = 64 << 20
     stale_leader_reads: float = 0.0  # share of client ops sent to any self-believed leader
+    crash_after_vote_rate: float = 0.0  # kill a node right after it granted a vote
+    crash_after_elected_rate: float = 0.0  # kill a new leader before its no-op spreads
     max_inflight_msgs: int = 8
     max_msg_bytes: int = 256
     faults: frozenset[str] = field(default_factory=frozenset)
-    quiet_s: float = 1.5  # after the faulty phase: heal, restart, then check liveness
+    min_steps: int = 0  # a profile's floor for the faulty phase (scheduler steps)
+    quiet_s: float = 0.5  # after the faulty phase: heal, restart, then check liveness
     liveness_s: float = 6.0
     check_liveness: bool = True
     keep_down_rate: float = 0.3  # quiet phase: leave one voter down (a minority)
@@ -130,6 +136,11 @@ class SimConfig:
     persist_cost_s: float = 5e-6
     apply_cost_s: float = 5e-6
     stall_rate: float = 0.002  # per unit of work: the loop stalls mid-pass
+    stall_min_s: float = 0.002
+    stall_kinds: tuple[str, ...] = ("step", "op", "persist", "apply")
+    read_burst: int = 1  # linearizable reads a client issues at once
+    write_share: float = 0.55  # of client ops (the rest: reads, transfers, membership)
+    partition_shapes: tuple[str, ...] = ("isolate", "leader", "halves", "bridge", "ring", "oneway")
     stall_max_s: float = 0.25
     mid_pass_crash_rate: float = 0.00005
     sync_min_s: float = 0.0002
@@ -200,6 +211,8 @@ class Simulation:
         self.rate: dict[int, float] = {}
         self.blocked: set[tuple[int, int]] = set()
         self.removed: set[int] = set()
+        self.keep_down: set[int] = set()  # never restarted (scenarios)
+        self.muted: set[tuple[int, int, int]] = set()  # (sender, incarnation, to) lost in flight
         self.incarnation: dict[int, int] = {}
         self.violation: SimViolation | None = None
         # checker state
@@ -413,7 +426,7 @@ class Simulation:
 
     def _run(self) -> None:
         c = self.cfg
-        while self.steps < c.steps:
+        while self.steps < max(c.steps, c.min_steps):
             if self.script is not None:
                 self.script()
             else:
@@ -478,8 +491,8 @@ class Simulation:
 
     def _dispatch(self, kind: str, payload: Any) -> None:
         if kind == "msg":
-            frm, to, data = payload
-            if (frm, to) in self.blocked:
+            frm, to, data, inc = payload
+            if (frm, to) in self.blocked or (frm, inc, to) in self.muted:
                 return
             h = self.hosts.get(to)
             if h is None or to in self.removed:
@@ -488,7 +501,7 @@ class Simulation:
             h.deliver(frm, data)
         elif kind == "restart":
             nid = payload
-            if nid not in self.hosts and nid not in self.removed:
+            if nid not in self.hosts and nid not in self.removed and nid not in self.keep_down:
                 self.stats["restarts"] += 1
                 self._spawn(nid)
         elif kind == "heal":
@@ -516,11 +529,21 @@ class Simulation:
         if rng.random() < c.drop_rate:
             return
         copies = 2 if rng.random() < c.dup_rate else 1
+        inc = self.incarnation[frm]
         for _ in range(copies):
             delay = 2e-5 + rng.random() * c.max_delay_s
             if rng.random() < c.long_delay_rate:
                 delay += rng.random() * c.long_delay_s  # stale on arrival
-            self._at(t + delay, "msg", (frm, to, payload))
+            self._at(t + delay, "msg", (frm, to, payload, inc))
+        if c.crash_after_vote_rate and self.faulty and not is_stream_frame(payload):
+            m = decode_message(payload)
+            if (
+                m.type is MsgType.VOTE_RESP
+                and not m.reject
+                and self.fault_rng.random() < c.crash_after_vote_rate
+            ):
+                # It voted (durably, unless a bug skipped that), then died.
+                self._at(t, "call", lambda: self._crash(frm, "crash-after-vote", 0.002))
 
     # ------------------------------------------------------------------ checks
     def check_append(self, nid: int, st: NodeStorage, entries: Sequence[Entry]) -> None:
@@ -621,6 +644,14 @@ class Simulation:
     def _on_elected(self, host: Host, r: RawNode, t: float) -> None:
         nid = host.nid
         self.stats["elections"] += 1
+        if self.faulty and self.fault_rng.random() < self.cfg.crash_after_elected_rate:
+            # Elected, wrote its no-op, died: what it sent reaches some peers
+            # at most (figure 8 needs such divergent uncommitted tails).
+            inc = self.incarnation[nid]
+            for o in sorted(self.storages):
+                if o != nid and self.fault_rng.random() < 0.7:
+                    self.muted.add((nid, inc, o))
+            self._at(t, "call", lambda: self._crash(nid, "crash-after-elected", 0.002))
         self.elections.append((t, r.term, nid))
         self.trace(f"n{nid} leader t{r.term} voters={list(r.config.voters)}")
         if (
@@ -776,14 +807,18 @@ class Simulation:
             # Load comes in phases: stretches with no writes leave every log
             # equal, which is when an isolated follower could win an election.
             self.read_only_phase = not self.read_only_phase
-        if self.read_only_phase and roll < 0.55:
-            roll = 0.55 + roll * 0.5
+        w = self.cfg.write_share
+        if self.cfg.scenario and 0.9 <= roll < 0.95:
+            roll = w + (roll - 0.9) * 4  # scripted runs: no random transfers
+        if self.read_only_phase and roll < w:
+            roll = w + roll * (0.85 - w) / w
         if not self.faulty and roll >= 0.9:
             roll = self.rng.random() * 0.9
-        if roll < 0.55:
+        if roll < w:
             self.spawn_client(host, self.client_write(host))
         elif roll < 0.85:
-            self.spawn_client(host, self.client_read(host))
+            for _ in range(self.cfg.read_burst):
+                self.spawn_client(host, self.client_read(host))
         elif roll < 0.9:
             self.spawn_client(host, self.client_read(host, "committed"))
         elif roll < 0.95:
@@ -958,10 +993,16 @@ class Simulation:
         everyone = sorted(set(self.storages) - self.removed)
         if len(everyone) < 2:
             return
-        shape = rng.choice(["isolate", "leader", "halves", "bridge", "ring", "oneway"])
+        shape = rng.choice(self.cfg.partition_shapes)
         groups: list[set[int]] = []
         lead = self._leader()
-        if shape in ("isolate", "leader", "oneway"):
+        if shape == "deaf":
+            # a follower stops hearing the leader but still reaches everyone
+            if lead is None or len(ids) < 2:
+                return
+            target = rng.choice([x for x in ids if x != lead.nid])
+            self.blocked.add((lead.nid, target))
+        elif shape in ("isolate", "leader", "oneway"):
             target = lead.nid if shape == "leader" and lead is not None else rng.choice(ids)
             if shape == "oneway":
                 other = rng.choice([x for x in everyone if x != target])
@@ -1010,8 +1051,12 @@ class Simulation:
         self.blocked.clear()
         for nid in sorted(self.hosts):
             self.hosts[nid].paused = False
-        down = [n for n in sorted(self.storages) if n not in self.hosts and n not in self.removed]
-        keep = self._keep_down_candidate(down)
+        down = [
+            n
+            for n in sorted(self.storages)
+            if n not in self.hosts and n not in self.removed and n not in self.keep_down
+        ]
+        keep = self._keep_down_candidate(down) if not self.keep_down else 0
         for nid in down:
             if nid != keep:
                 self._spawn(nid)
@@ -1097,15 +1142,16 @@ def run_seed(seed: int, cfg: SimConfig) -> Simulation:
 PROFILES: dict[str, dict[str, Any]] = {
     "mixed": {},
     "figure8": {
+        "min_steps": 25000,
         "voters": 5,
         "learners": 0,
-        "mid_pass_crash_rate": 0.0005,
-        "crash_rate": 0.004,
+        "crash_after_elected_rate": 0.3,
         "max_msg_bytes": 64,
         "drop_rate": 0.1,
         "membership": False,
     },
     "lease": {
+        "min_steps": 25000,
         # leaders isolated or paused while clients keep reading from whoever
         # believes it leads: what a lease bug needs to turn into a stale read.
         "voters": 3,
@@ -1116,25 +1162,64 @@ PROFILES: dict[str, dict[str, Any]] = {
         "membership": False,
     },
     "stall": {
+        "min_steps": 25000,
         # loops stalled in the middle of a pass (GC, a huge batch) while
         # clients read from the leader: a lease decided on the pass's stale
         # clock shows here.
         "voters": 3,
         "learners": 0,
-        "stall_rate": 0.004,
-        "stall_max_s": 0.2,
+        "stall_rate": 0.05,
+        "stall_kinds": ("op",),
+        "stall_min_s": 0.06,
+        "stall_max_s": 0.15,
+        "read_burst": 3,
         "crash_rate": 0.0005,
         "partition_rate": 0.001,
         "client_per_s": 800.0,
         "membership": False,
     },
+    "truncate": {
+        "min_steps": 25000,
+        # duplicated and long-delayed appends arrive after newer ones
+        "dup_rate": 0.15,
+        "long_delay_rate": 0.08,
+        "long_delay_s": 0.05,
+        "write_share": 0.8,
+        "max_msg_bytes": 64,
+    },
+    "snapshot": {
+        "min_steps": 25000,
+        # tiny snapshot intervals and no trailing entries: lagging nodes get
+        # snapshots, some duplicated or long delayed
+        "snapshot_every_entries": 5,
+        "snapshot_trailing_entries": 0,
+        "dup_rate": 0.15,
+        "long_delay_rate": 0.08,
+        "long_delay_s": 0.1,
+        "write_share": 0.8,
+        "crash_rate": 0.003,
+    },
+    "sticky": {
+        "min_steps": 25000,
+        # followers cut off and back while a leader with a lease serves
+        # reads, with few writes (so the returning node's log is current)
+        "voters": 3,
+        "learners": 0,
+        "check_quorum": True,
+        "partition_rate": 0.006,
+        "partition_shapes": ("deaf",),
+        "write_share": 0.02,
+        "crash_rate": 0.0005,
+        "membership": False,
+    },
     "vote-loss": {
+        "min_steps": 25000,
         # vanilla Raft (no pre-vote, no stickiness), tight timeouts and a slow
         # network: split votes are common and a vote can be in flight across
         # the crash of the node that granted the other one.
         "voters": 5,
         "learners": 0,
-        "mid_pass_crash_rate": 0.001,
+        "crash_after_vote_rate": 0.5,
         "check_quorum": False,
         "pre_vote": False,
         "election_ticks": 4,
@@ -1151,6 +1236,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "min_voters": 1,
     },
     "conf-replay": {
+        "min_steps": 25000,
         # issue #12 bug 1: promotions in the log, a full restart with slow
         # replay, then a partition along the old/new voter sets
         "voters": 3,
@@ -1158,8 +1244,14 @@ PROFILES: dict[str, dict[str, Any]] = {
         "scenario": "conf-replay",
         "membership": False,
         "keep_down_rate": 0.0,
+        "snapshot_every_entries": 0,
+        "slow_apply_cost_s": 0.008,
+        "write_share": 0.8,
+        "stale_leader_reads": 0.5,
+        "drop_rate": 0.01,
     },
     "learner-vote": {
+        "min_steps": 25000,
         # issue #12 bug 2: a promotion commits on the old voters, the
         # promoted node has not applied it, one old voter dies
         "voters": 2,
@@ -1167,6 +1259,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "scenario": "learner-vote",
         "membership": False,
         "keep_down_rate": 0.0,
+        "write_share": 0.8,
+        "drop_rate": 0.01,
     },
 }
 

@@ -1,11 +1,133 @@
-"""Scripted nemeses for specific bugs (profiles ``conf-replay``, ``learner-vote``)."""
+"""Scripted nemeses for bugs that need one precise sequence of faults.
+
+A scenario replaces the random nemesis of :class:`~dledger.sim.cluster.Simulation`
+(clients keep running as usual): it is called before every step and drives
+the cluster through its phases by watching the real nodes' state. Timing
+within each phase comes from the seed, so 30 seeds are 30 different runs.
+
+``conf-replay`` (issue #12 bug 1): voters {1,2,3} and learners {4,5}; the
+leader promotes 4 and 5; every node crashes at once; 1 and 2 restart with a
+slow replay (one costly entry per Ready, so ticks run long before they reach
+the promotions); the network splits {1,2} | {3,4,5}. A node that campaigns
+(or honours TimeoutNow) before applying a committed membership change uses
+the old voter set: {1,2} elect a leader under {1,2,3} while {3,4,5} elect
+one under {1..5}, and both commit different entries at one index.
+
+``learner-vote`` (issue #12 bug 2): voters {1,2} and learner 3; the leader
+promotes 3 while its messages to 3 are lost; the other voter applies the
+promotion; the leader dies for good. The survivor needs 3's vote, and 3,
+still a learner in its own view, must answer it: if it ignores (pre-)votes
+no leader is ever elected (a liveness violation in the quiet phase).
+"""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from dledger.sim.cluster import Simulation
+    from dledger.sim.world import Host
 
-SCENARIOS: dict[str, Callable[[Simulation], Callable[[], None]]] = {}
+
+class _Script:
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+        self.rng = random.Random(sim.seed ^ 0x5C1)
+        self.phase = 0
+        self.next_check = 0.0
+
+    def __call__(self) -> None:
+        sim = self.sim
+        if sim.now < self.next_check:
+            return
+        self.next_check = sim.now + 0.002
+        self.step()
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def leader(self) -> Host | None:
+        h = self.sim._leader()
+        if h is None or not h.node.leader_ready():
+            return None
+        return h
+
+
+class ConfReplay(_Script):
+    def __init__(self, sim: Simulation) -> None:
+        super().__init__(sim)
+        self.writes_before = self.rng.randrange(20, 40)
+        self.writes_after = 0
+
+    def step(self) -> None:
+        sim = self.sim
+        lead = self.leader()
+        if self.phase == 0:
+            if lead is not None and sim.stats["acked"] >= self.writes_before:
+                sim.spawn_client(lead, sim.client_conf(lead, "promote", 4))
+                self.phase = 1
+                self.next_check = sim.now + 0.05
+        elif self.phase == 1:
+            if lead is not None and lead.node._raft.config.is_voter(4):
+                if lead.node._raft.config.is_voter(5):
+                    self.writes_after = sim.stats["acked"] + self.rng.randrange(3, 15)
+                    self.phase = 2
+                elif lead.node._raft._pending_conf_index <= lead.node._raft.log.applied:
+                    sim.spawn_client(lead, sim.client_conf(lead, "promote", 5))
+                    self.next_check = sim.now + 0.05
+            elif (
+                lead is not None
+                and lead.node._raft._pending_conf_index <= lead.node._raft.log.applied
+            ):
+                sim.spawn_client(lead, sim.client_conf(lead, "promote", 4))
+                self.next_check = sim.now + 0.05
+        elif self.phase == 2:
+            if sim.stats["acked"] >= self.writes_after:
+                sim.trace("scenario: full restart, 1 and 2 replay slowly, split {1,2}|{3,4,5}")
+                for nid in sorted(sim.hosts):
+                    sim.crash(nid, -1.0)
+                for nid in sorted(sim.storages):
+                    sim._spawn(nid, slow=nid in (1, 2))
+                sim.cut([{1, 2}, {3, 4, 5}])
+                self.phase = 3
+
+
+class LearnerVote(_Script):
+    def __init__(self, sim: Simulation) -> None:
+        super().__init__(sim)
+        self.writes_before = self.rng.randrange(3, 20)
+        self.old_leader = 0
+
+    def step(self) -> None:
+        sim = self.sim
+        learner = 3
+        if self.phase == 0:
+            lead = self.leader()
+            if lead is not None and sim.stats["acked"] >= self.writes_before:
+                self.old_leader = lead.nid
+                sim.spawn_client(lead, sim.client_conf(lead, "promote", learner))
+                # From now on nothing the leader sends reaches the learner.
+                sim.blocked.add((lead.nid, learner))
+                self.phase = 1
+        elif self.phase == 1:
+            lead = sim._leader()
+            if lead is None or lead.nid != self.old_leader:
+                sim.blocked.clear()  # the promotion did not go through: start over
+                self.phase = 0
+                return
+            survivor = 3 - self.old_leader
+            h = sim.hosts.get(survivor)
+            if h is not None and h.node._raft is not None and h.node._raft.config.is_voter(learner):
+                sim.trace(f"scenario: leader {self.old_leader} dies for good")
+                sim.keep_down.add(self.old_leader)
+                sim.crash(self.old_leader, -1.0)
+                sim.blocked.clear()
+                self.phase = 2
+
+
+SCENARIOS: dict[str, Callable[[Simulation], Callable[[], None]]] = {
+    "conf-replay": ConfReplay,
+    "learner-vote": LearnerVote,
+}

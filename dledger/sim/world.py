@@ -368,8 +368,12 @@ class Host:
             kind, self.apply_cost_s
         )
         self.consumed += cost * n
-        if self.sim.faulty and self.sim.fault_rng.random() < c.stall_rate * n:
-            stall = self.sim.fault_rng.uniform(0.002, c.stall_max_s)
+        if (
+            self.sim.faulty
+            and kind in c.stall_kinds
+            and self.sim.fault_rng.random() < c.stall_rate * n
+        ):
+            stall = self.sim.fault_rng.uniform(c.stall_min_s, c.stall_max_s)
             self.consumed += stall
             self.sim.stats["stalls"] += 1
             self.sim.trace(f"stall n{self.nid} {kind} {stall * 1000:.1f}ms")

@@ -1,50 +1,71 @@
-"""Whole-cluster deterministic simulation: invariants hold, runs are
-reproducible, and the checker catches every protocol bug we plant."""
+"""Whole-cluster deterministic simulation of real nodes: invariants hold,
+runs are reproducible, and the checker catches every bug we plant."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
+from dledger.core import raft as raft_module
 from dledger.core.raft import (
+    FAULT_CAMPAIGN_UNAPPLIED_CONF,
     FAULT_COMMIT_OLD_TERM,
     FAULT_FOLLOWER_COMMITS_AHEAD,
     FAULT_INSTALL_STALE_SNAPSHOT,
+    FAULT_LEARNER_IGNORES_VOTES,
     FAULT_LEASE_IGNORES_EXPIRY,
     FAULT_SKIP_VOTE_PERSIST,
     FAULT_TRUNCATE_WITHOUT_CONFLICT,
     FAULT_VOTE_DESPITE_LEADER,
 )
+from dledger.node import FAULT_LEASE_STALE_CLOCK
 from dledger.sim.cluster import FAULT_NO_FSYNC, Simulation, SimViolation, mixed_config
 
 pytestmark = pytest.mark.sim
 
 
-def run(seed: int, steps: int = 3000, faults: frozenset[str] = frozenset(), profile: str = "mixed") -> Simulation:
+def run(
+    seed: int, steps: int = 3000, faults: frozenset[str] = frozenset(), profile: str = "mixed"
+) -> Simulation:
     return Simulation(seed, mixed_config(seed, steps, faults, profile)).run()
 
 
-@pytest.mark.parametrize("block", range(4))
+@pytest.mark.parametrize("block", range(2))
 def test_standard_mix_has_no_violation(block: int) -> None:
-    """100 seeds per block (3 and 5 voters, learners, every fault kind)."""
-    elections = proposals = 0
-    for seed in range(block * 100 + 1, block * 100 + 101):
+    """30 seeds per block (3 and 5 voters, learners, every fault kind)."""
+    elections = proposals = acked = 0
+    for seed in range(block * 30 + 1, block * 30 + 31):
         try:
             sim = run(seed)
         except SimViolation as v:  # the message carries "reproduce with: ..."
             pytest.fail(str(v))
         elections += sim.stats["elections"]
         proposals += sim.stats["proposals"]
-    assert elections > 300  # the faults really forced leader changes
-    assert proposals > 3000
+        acked += sim.stats["acked"]
+    assert elections > 60  # the faults really forced leader changes
+    assert proposals > 1000
+    assert acked > 300
 
 
-@pytest.mark.parametrize("profile", ["figure8", "vote-loss", "lease"])
+PROFILES_CHECKED = ["figure8", "vote-loss", "lease", "stall", "membership"]
+
+
+@pytest.mark.parametrize("profile", PROFILES_CHECKED)
 def test_emphasis_profiles_have_no_violation(profile: str) -> None:
-    for seed in range(1, 41):
+    """The profiles that catch the planted bugs find nothing with them off."""
+    for seed in range(1, 16):
         try:
-            run(seed, profile=profile)
+            run(seed, steps=5000, profile=profile)
         except SimViolation as v:
             pytest.fail(str(v))
+
+
+def test_membership_goes_down_to_one_voter() -> None:
+    low = min(
+        run(seed, steps=5000, profile="membership").stats["min_voters"] for seed in range(1, 9)
+    )
+    assert low == 1
 
 
 def test_same_seed_same_trace() -> None:
@@ -66,28 +87,54 @@ def test_violation_names_the_reproducing_command() -> None:
     assert "trace tail:" in msg
 
 
-# (fault switch, profile, seeds within which it must be caught). Runs are
-# deterministic, so these pass or fail the same way every time; the bounds are
-# several times the mean seeds-to-catch measured over 100-300 seeds, so that a
-# change that merely reshuffles the random streams still passes.
+def _implemented(fault: str) -> bool:
+    """Main lands the core half of the issue #12 switches; until then the
+    name exists but nothing in the core reads it."""
+    src = inspect.getsource(raft_module)
+    const = next(k for k, v in vars(raft_module).items() if k.startswith("FAULT_") and v == fault)
+    return src.count(const) > 2  # definition + CORE_FAULTS + at least one use
+
+
+# (fault switch, profile): each must be caught in at least 15 of the 30
+# seeds 1..30 (runs are deterministic: this passes or fails the same way
+# every time).
 SWITCHES = [
-    (FAULT_NO_FSYNC, "mixed", 20),
-    (FAULT_TRUNCATE_WITHOUT_CONFLICT, "mixed", 20),
-    (FAULT_LEASE_IGNORES_EXPIRY, "lease", 60),
-    (FAULT_VOTE_DESPITE_LEADER, "lease", 40),
-    (FAULT_COMMIT_OLD_TERM, "figure8", 150),
-    (FAULT_SKIP_VOTE_PERSIST, "vote-loss", 40),
-    (FAULT_INSTALL_STALE_SNAPSHOT, "mixed", 20),
-    (FAULT_FOLLOWER_COMMITS_AHEAD, "mixed", 20),  # the harness's follower_reads_uncommitted
+    (FAULT_NO_FSYNC, "mixed"),
+    (FAULT_TRUNCATE_WITHOUT_CONFLICT, "truncate"),
+    (FAULT_LEASE_IGNORES_EXPIRY, "lease"),
+    (FAULT_VOTE_DESPITE_LEADER, "sticky"),
+    (FAULT_COMMIT_OLD_TERM, "figure8"),
+    (FAULT_SKIP_VOTE_PERSIST, "vote-loss"),
+    (FAULT_INSTALL_STALE_SNAPSHOT, "snapshot"),
+    (FAULT_FOLLOWER_COMMITS_AHEAD, "mixed"),
+    (FAULT_LEASE_STALE_CLOCK, "stall"),
+    (FAULT_CAMPAIGN_UNAPPLIED_CONF, "conf-replay"),
+    (FAULT_LEARNER_IGNORES_VOTES, "learner-vote"),
 ]
+SEEDS = range(1, 31)
+NEEDED = 15
 
 
-@pytest.mark.parametrize(("fault", "profile", "bound"), SWITCHES, ids=[s[0] for s in SWITCHES])
-def test_checker_catches_fault_switch(fault: str, profile: str, bound: int) -> None:
-    for n, seed in enumerate(range(1, bound + 1), start=1):
+@pytest.mark.parametrize(("fault", "profile"), SWITCHES, ids=[s[0] for s in SWITCHES])
+def test_checker_catches_fault_switch(fault: str, profile: str) -> None:
+    if fault in raft_module.CORE_FAULTS and not _implemented(fault):
+        pytest.skip(f"{fault}: the core does not implement this switch yet (lands on main)")
+    caught: list[int] = []
+    missed: list[int] = []
+    for seed in SEEDS:
         try:
             run(seed, steps=5000, faults=frozenset({fault}), profile=profile)
-        except SimViolation as v:
-            print(f"{fault}: caught at seed {seed} after {n} seed(s): {v.what}")
+        except SimViolation:
+            caught.append(seed)
+        else:
+            missed.append(seed)
+        if len(caught) >= NEEDED:
             return
-    pytest.fail(f"fault switch {fault} was not caught within {bound} seeds ({profile})")
+        if len(missed) > len(SEEDS) - NEEDED:
+            break
+    pytest.fail(
+        f"fault switch {fault} caught in only {len(caught)} of seeds {SEEDS.start}.."
+        f"{SEEDS.stop - 1} ({profile}; need {NEEDED}); missed e.g. seed {missed[0]}: "
+        f"reproduce with: python -m dledger.sim --seed {missed[0]} --steps 5000 "
+        f"--fault {fault} --profile {profile}"
+    )

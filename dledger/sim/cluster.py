@@ -65,8 +65,8 @@ from dledger.core.types import (
 from dledger.errors import DLedgerError
 from dledger.node import NODE_FAULTS, Node
 from dledger.runtime import NodeEnv, NodeStorage
-from dledger.snapshot_stream import is_stream_frame
 from dledger.sim.world import Host, HostCrashed, SimStorage
+from dledger.snapshot_stream import is_stream_frame
 
 FAULT_NO_FSYNC = "no_fsync"  # sim-level: acknowledge without syncing (SCENARIOS 11)
 ALL_FAULTS = CORE_FAULTS | NODE_FAULTS | {FAULT_NO_FSYNC}
@@ -648,9 +648,9 @@ class Simulation:
             # Elected, wrote its no-op, died: what it sent reaches some peers
             # at most (figure 8 needs such divergent uncommitted tails).
             inc = self.incarnation[nid]
-            for o in sorted(self.storages):
-                if o != nid and self.fault_rng.random() < 0.7:
-                    self.muted.add((nid, inc, o))
+            for peer in sorted(self.storages):
+                if peer != nid and self.fault_rng.random() < 0.7:
+                    self.muted.add((nid, inc, peer))
             self._at(t, "call", lambda: self._crash(nid, "crash-after-elected", 0.002))
         self.elections.append((t, r.term, nid))
         self.trace(f"n{nid} leader t{r.term} voters={list(r.config.voters)}")
@@ -667,7 +667,7 @@ class Simulation:
             o = self.hosts[oid]
             onode: Node = o.node
             orr = onode._raft
-            if oid == nid or orr is None or orr.term >= r.term or o.paused:
+            if oid == nid or orr is None or orr.term >= r.term:
                 continue
             exp = self._lease_expiry_local(o, orr)
             if exp is not None and o.offset + o.rate * t < exp:

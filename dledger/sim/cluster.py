@@ -213,6 +213,7 @@ class Simulation:
         self.removed: set[int] = set()
         self.keep_down: set[int] = set()  # never restarted (scenarios)
         self.muted: set[tuple[int, int, int]] = set()  # (sender, incarnation, to) lost in flight
+        self.reset: set[tuple[int, int]] = set()  # (node, incarnation): connections reset
         self.incarnation: dict[int, int] = {}
         self.violation: SimViolation | None = None
         # checker state
@@ -492,7 +493,11 @@ class Simulation:
     def _dispatch(self, kind: str, payload: Any) -> None:
         if kind == "msg":
             frm, to, data, inc = payload
-            if (frm, to) in self.blocked or (frm, inc, to) in self.muted:
+            if (
+                (frm, to) in self.blocked
+                or (frm, inc, to) in self.muted
+                or (frm, inc) in self.reset
+            ):
                 return
             h = self.hosts.get(to)
             if h is None or to in self.removed:
@@ -984,7 +989,11 @@ class Simulation:
         if restart_after_s >= 0:
             self._at(self.now + restart_after_s, "restart", nid)
 
-    def crash(self, nid: int, restart_after_s: float) -> None:
+    def crash(self, nid: int, restart_after_s: float, drop_in_flight: bool = False) -> None:
+        """Crash ``nid`` (scripts); restart it after ``restart_after_s`` (< 0: never).
+        ``drop_in_flight``: what it sent and was not delivered yet is lost."""
+        if drop_in_flight:
+            self.reset.add((nid, self.incarnation.get(nid, 0)))
         self._crash(nid, "crash", restart_after_s)
 
     def _partition(self) -> None:
@@ -996,7 +1005,14 @@ class Simulation:
         shape = rng.choice(self.cfg.partition_shapes)
         groups: list[set[int]] = []
         lead = self._leader()
-        if shape == "deaf":
+        if shape == "cut-link":
+            # the leader and one follower lose each other; both still reach the rest
+            if lead is None or len(ids) < 2:
+                return
+            target = rng.choice([x for x in ids if x != lead.nid])
+            self.blocked.add((lead.nid, target))
+            self.blocked.add((target, lead.nid))
+        elif shape == "deaf":
             # a follower stops hearing the leader but still reaches everyone
             if lead is None or len(ids) < 2:
                 return
@@ -1142,13 +1158,20 @@ def run_seed(seed: int, cfg: SimConfig) -> Simulation:
 PROFILES: dict[str, dict[str, Any]] = {
     "mixed": {},
     "figure8": {
-        "min_steps": 25000,
+        # scripted Raft figure 8 (dledger/sim/scenarios.py)
+        "min_steps": 15000,
         "voters": 5,
         "learners": 0,
-        "crash_after_elected_rate": 0.3,
+        "scenario": "figure8",
         "max_msg_bytes": 64,
-        "drop_rate": 0.1,
+        "drop_rate": 0.0,
+        "dup_rate": 0.0,
+        "long_delay_rate": 0.0,
+        "stall_rate": 0.0,
+        "mid_pass_crash_rate": 0.0,
         "membership": False,
+        "keep_down_rate": 0.0,
+        "check_quorum": True,
     },
     "lease": {
         "min_steps": 25000,
@@ -1193,6 +1216,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         # snapshots, some duplicated or long delayed
         "snapshot_every_entries": 5,
         "snapshot_trailing_entries": 0,
+        "sm_pad_bytes": 6000,
+        "drop_rate": 0.12,
         "dup_rate": 0.15,
         "long_delay_rate": 0.08,
         "long_delay_s": 0.1,
@@ -1207,7 +1232,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "learners": 0,
         "check_quorum": True,
         "partition_rate": 0.006,
-        "partition_shapes": ("deaf",),
+        "partition_shapes": ("cut-link",),
         "write_share": 0.02,
         "crash_rate": 0.0005,
         "membership": False,
@@ -1219,12 +1244,12 @@ PROFILES: dict[str, dict[str, Any]] = {
         # the crash of the node that granted the other one.
         "voters": 5,
         "learners": 0,
-        "crash_after_vote_rate": 0.5,
+        "crash_after_vote_rate": 1.0,
         "check_quorum": False,
         "pre_vote": False,
         "election_ticks": 4,
         "lease_drift_ticks": 1,
-        "max_delay_s": 0.015,
+        "max_delay_s": 0.02,
         "drop_rate": 0.1,
         "membership": False,
     },
@@ -1245,7 +1270,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "membership": False,
         "keep_down_rate": 0.0,
         "snapshot_every_entries": 0,
-        "slow_apply_cost_s": 0.008,
+        "slow_apply_cost_s": 0.01,
         "write_share": 0.8,
         "stale_leader_reads": 0.5,
         "drop_rate": 0.01,

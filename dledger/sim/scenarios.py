@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
 
 class _Script:
+    interval_s = 0.002
+
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
         self.rng = random.Random(sim.seed ^ 0x5C1)
@@ -42,7 +44,7 @@ class _Script:
         sim = self.sim
         if sim.now < self.next_check:
             return
-        self.next_check = sim.now + 0.002
+        self.next_check = sim.now + self.interval_s
         self.step()
 
     def step(self) -> None:
@@ -58,8 +60,9 @@ class _Script:
 class ConfReplay(_Script):
     def __init__(self, sim: Simulation) -> None:
         super().__init__(sim)
-        self.writes_before = self.rng.randrange(20, 40)
+        self.writes_before = self.rng.randrange(40, 70)
         self.writes_after = 0
+        self.conf_index = 0
 
     def step(self) -> None:
         sim = self.sim
@@ -73,6 +76,7 @@ class ConfReplay(_Script):
             if lead is not None and lead.node._raft.config.is_voter(4):
                 if lead.node._raft.config.is_voter(5):
                     self.writes_after = sim.stats["acked"] + self.rng.randrange(3, 15)
+                    self.conf_index = lead.node._raft.log.applied
                     self.phase = 2
                 elif lead.node._raft._pending_conf_index <= lead.node._raft.log.applied:
                     sim.spawn_client(lead, sim.client_conf(lead, "promote", 5))
@@ -83,15 +87,19 @@ class ConfReplay(_Script):
             ):
                 sim.spawn_client(lead, sim.client_conf(lead, "promote", 4))
                 self.next_check = sim.now + 0.05
-        elif self.phase == 2:
-            if sim.stats["acked"] >= self.writes_after:
-                sim.trace("scenario: full restart, 1 and 2 replay slowly, split {1,2}|{3,4,5}")
-                for nid in sorted(sim.hosts):
-                    sim.crash(nid, -1.0)
-                for nid in sorted(sim.storages):
-                    sim._spawn(nid, slow=nid in (1, 2))
-                sim.cut([{1, 2}, {3, 4, 5}])
-                self.phase = 3
+        elif (
+            self.phase == 2
+            and sim.stats["acked"] >= self.writes_after
+            and all(st._durable[4].commit >= self.conf_index for st in sim.storages.values())
+        ):
+            # Every node knows durably that both promotions committed.
+            sim.trace("scenario: full restart, 1 and 2 replay slowly, split {1,2}|{3,4,5}")
+            for nid in sorted(sim.hosts):
+                sim.crash(nid, -1.0, drop_in_flight=True)
+            for nid in sorted(sim.storages):
+                sim._spawn(nid, slow=nid in (1, 2))
+            sim.cut([{1, 2}, {3, 4, 5}])
+            self.phase = 3
 
 
 class LearnerVote(_Script):
@@ -127,7 +135,86 @@ class LearnerVote(_Script):
                 self.phase = 2
 
 
+class Figure8(_Script):
+    """Raft figure 8, five voters: leader X gets a big entry ``i`` onto one
+    follower A only, dies; D is elected among the rest, writes its no-op at
+    ``i`` (a later term) durably and dies before sending it; X and A return
+    and one of them leads a still later term. It must not count ``i`` (an
+    earlier term's entry) as committed once a majority holds it: D could
+    still win with its later-term ``i``. The big entry travels without the
+    new leader's no-op (max_msg_bytes is small), which is what lets a leader
+    that counts old-term entries commit it alone."""
+
+    interval_s = 0.0
+
+    def __init__(self, sim: Simulation) -> None:
+        super().__init__(sim)
+        self.writes_before = self.rng.randrange(3, 15)
+        self.x = self.a = self.d = self.index = 0
+        self.deadline = 0.0
+
+    def step(self) -> None:
+        sim = self.sim
+        if self.phase == 0:
+            lead = self.leader()
+            if lead is None or sim.stats["acked"] < self.writes_before:
+                return
+            r = lead.node._raft
+            if r.log.committed != r.log.last_index():
+                return
+            self.x = lead.nid
+            others = [v for v in r.config.voters if v != self.x]
+            self.a = self.rng.choice(others)
+            for o in others:
+                if o != self.a:
+                    sim.blocked.add((self.x, o))
+                    sim.blocked.add((self.a, o))
+                    sim.blocked.add((o, self.a))
+            self.index = r.log.last_index() + 1
+            sim.trace(f"scenario: n{self.x} writes {self.index} onto n{self.a} only")
+            sim.spawn_client(lead, sim.client_write(lead, bytes(range(100))))
+            self.deadline = sim.now + 0.2
+            self.phase = 1
+        elif self.phase == 1:
+            ha = sim.hosts.get(self.a)
+            if ha is None or sim.now > self.deadline:
+                self.phase = 9  # did not set up: give up
+                sim.blocked.clear()
+                return
+            ra = ha.node._raft
+            if ra is not None and ra.log.last_index() >= self.index:
+                sim.crash(self.x, -1.0, drop_in_flight=True)
+                sim.cut([{self.a}])
+                sim.trace(f"scenario: n{self.x} died, n{self.a} cut off")
+                self.phase = 2
+        elif self.phase == 2:
+            lead = sim._leader()
+            if lead is None or lead.nid in (self.x, self.a):
+                return
+            # Elected: nothing it sends from now on arrives.
+            self.d = lead.nid
+            sim.reset.add((self.d, sim.incarnation[self.d]))
+            self.phase = 3
+        elif self.phase == 3:
+            st = sim.storages[self.d]
+            r = sim.hosts[self.d].node._raft if self.d in sim.hosts else None
+            if r is None:
+                self.phase = 9
+                return
+            if st.durable_last()[0] >= self.index and st.durable_last()[1] == r.term:
+                sim.crash(self.d, -1.0, drop_in_flight=True)
+                sim.blocked.clear()
+                sim._spawn(self.x)
+                sim.trace(f"scenario: n{self.d} died after writing {self.index}@t{r.term}")
+                self.deadline = sim.now + 0.6
+                self.phase = 4
+        elif self.phase == 4 and sim.now > self.deadline:
+            sim._spawn(self.d)
+            self.phase = 5
+
+
 SCENARIOS: dict[str, Callable[[Simulation], Callable[[], None]]] = {
+    "figure8": Figure8,
     "conf-replay": ConfReplay,
     "learner-vote": LearnerVote,
 }

@@ -107,6 +107,7 @@ class SimConfig:
     client_per_s: float = 400.0  # client arrivals per virtual second (faulty phase)
     quiet_client_per_s: float = 100.0
     membership: bool = True
+    transfers: bool = True  # clients ask for leadership transfers
     min_voters: int = 1
     max_voters: int = 5
     check_quorum: bool = True  # off: no stickiness, no lease (ReadIndex only)
@@ -212,6 +213,7 @@ class Simulation:
         self.blocked: set[tuple[int, int]] = set()
         self.removed: set[int] = set()
         self.keep_down: set[int] = set()  # never restarted (scenarios)
+        self.clients_paused = False  # scenarios: no new client operations
         self.muted: set[tuple[int, int, int]] = set()  # (sender, incarnation, to) lost in flight
         self.reset: set[tuple[int, int]] = set()  # (node, incarnation): connections reset
         self.incarnation: dict[int, int] = {}
@@ -593,7 +595,7 @@ class Simulation:
         if index <= host.sm.index and host.sm.index > 0:
             self.fail(
                 f"node {host.nid} restores a snapshot at {index} but its state machine "
-                f"already applied {host.sm.index} (a stale snapshot rolls it back)"
+                f"already applied {host.sm.index} (a stale snapshot is never installed)"
             )
         if index and self.digest_at.setdefault(index, digest) != digest:
             self.fail(
@@ -804,6 +806,8 @@ class Simulation:
         host.loop.create_task(coro)
 
     def _client_op(self) -> None:
+        if self.clients_paused:
+            return
         host = self._pick_target()
         if host is None:
             return
@@ -813,7 +817,7 @@ class Simulation:
             # equal, which is when an isolated follower could win an election.
             self.read_only_phase = not self.read_only_phase
         w = self.cfg.write_share
-        if self.cfg.scenario and 0.9 <= roll < 0.95:
+        if (self.cfg.scenario or not self.cfg.transfers) and 0.9 <= roll < 0.95:
             roll = w + (roll - 0.9) * 4  # scripted runs: no random transfers
         if self.read_only_phase and roll < w:
             roll = w + roll * (0.85 - w) / w
@@ -1212,17 +1216,16 @@ PROFILES: dict[str, dict[str, Any]] = {
     },
     "snapshot": {
         "min_steps": 25000,
-        # tiny snapshot intervals and no trailing entries: lagging nodes get
-        # snapshots, some duplicated or long delayed
+        # scripted: a follower installs a snapshot, dies with its ack lost
+        # and gets the same snapshot again after a quick restart
         "snapshot_every_entries": 5,
         "snapshot_trailing_entries": 0,
-        "sm_pad_bytes": 6000,
-        "drop_rate": 0.12,
-        "dup_rate": 0.15,
-        "long_delay_rate": 0.08,
-        "long_delay_s": 0.1,
+        "scenario": "stale-snapshot",
+        "membership": False,
+        "voters": 3,
+        "learners": 0,
         "write_share": 0.8,
-        "crash_rate": 0.003,
+        "keep_down_rate": 0.0,
     },
     "sticky": {
         "min_steps": 25000,
@@ -1234,6 +1237,9 @@ PROFILES: dict[str, dict[str, Any]] = {
         "partition_rate": 0.006,
         "partition_shapes": ("cut-link",),
         "write_share": 0.02,
+        "transfers": False,
+        "pause_rate": 0.0,
+        "stall_rate": 0.0,
         "crash_rate": 0.0005,
         "membership": False,
     },

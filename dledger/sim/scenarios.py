@@ -213,7 +213,60 @@ class Figure8(_Script):
             self.phase = 5
 
 
+class StaleSnapshot(_Script):
+    """A follower cut off while the leader snapshots and compacts comes back,
+    installs the leader's snapshot, and dies right away with its
+    acknowledgement lost; it restarts at once, and the leader (which never
+    heard the acknowledgement) sends the same snapshot again. The restarted
+    follower already holds it (its commit index is the snapshot's): it must
+    acknowledge and ignore it, never install it again."""
+
+    def __init__(self, sim: Simulation) -> None:
+        super().__init__(sim)
+        self.f = 0
+        self.held = 0
+        self.deadline = 0.0
+
+    def step(self) -> None:
+        sim = self.sim
+        if self.phase == 0:
+            lead = self.leader()
+            if lead is None or sim.stats["acked"] < 5:
+                return
+            r = lead.node._raft
+            self.f = self.rng.choice([v for v in r.config.voters if v != lead.nid])
+            snap = sim.storages[self.f].snapshot()
+            self.held = snap.meta.index if snap is not None else 0
+            sim.cut([{self.f}])
+            sim.trace(f"scenario: n{self.f} cut off while the leader snapshots")
+            self.deadline = sim.now + self.rng.uniform(0.15, 0.4)
+            self.phase = 1
+        elif self.phase == 1 and sim.now > self.deadline:
+            sim.blocked.clear()
+            sim.clients_paused = True  # no newer snapshot meanwhile
+            self.deadline = sim.now + 1.0
+            self.phase = 2
+        elif self.phase == 2:
+            snap = sim.storages[self.f].snapshot()
+            if snap is not None and snap.meta.index > self.held:
+                lead = sim._leader()
+                if lead is not None:
+                    sim.blocked.add((self.f, lead.nid))
+                sim.trace(f"scenario: n{self.f} installed {snap.meta.index}; dies, ack lost")
+                sim.crash(self.f, 0.002, drop_in_flight=True)
+                self.deadline = sim.now + 0.1
+                self.phase = 3
+            elif sim.now > self.deadline:
+                sim.clients_paused = False
+                self.phase = 0
+        elif self.phase == 3 and sim.now > self.deadline:
+            sim.blocked.clear()
+            sim.clients_paused = False
+            self.phase = 0  # again, as long as the run lasts
+
+
 SCENARIOS: dict[str, Callable[[Simulation], Callable[[], None]]] = {
+    "stale-snapshot": StaleSnapshot,
     "figure8": Figure8,
     "conf-replay": ConfReplay,
     "learner-vote": LearnerVote,

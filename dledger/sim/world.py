@@ -113,6 +113,8 @@ class VirtualLoop(asyncio.BaseEventLoop):
             task._log_destroy_pending = False  # type: ignore[attr-defined]
         self._ready.clear()  # type: ignore[attr-defined]
         self._scheduled.clear()  # type: ignore[attr-defined]
+        if not self.is_closed():
+            self.close()
 
 
 # ==========================================================================

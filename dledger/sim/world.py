@@ -366,9 +366,14 @@ class Host:
     # -- env hooks ---------------------------------------------------------
     def work(self, kind: str, n: int) -> None:
         c = self.sim.cfg
-        cost = {"step": c.step_cost_s, "op": c.op_cost_s, "persist": c.persist_cost_s}.get(
-            kind, self.apply_cost_s
-        )
+        if kind == "apply":
+            cost = self.apply_cost_s
+        elif kind == "step":
+            cost = c.step_cost_s
+        elif kind == "op":
+            cost = c.op_cost_s
+        else:
+            cost = c.persist_cost_s
         self.consumed += cost * n
         if (
             self.sim.faulty

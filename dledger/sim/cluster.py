@@ -838,7 +838,8 @@ class Simulation:
             if voters:
                 self.spawn_client(host, self.client_transfer(host, self.rng.choice(voters)))
         elif self.cfg.membership:
-            self._conf_change(host)
+            # an operator's tool follows the leader hint
+            self._conf_change(self._leader() or host)
 
     async def client_write(self, host: Host, data: bytes | None = None) -> None:
         node: Node = host.node
@@ -1263,10 +1264,12 @@ PROFILES: dict[str, dict[str, Any]] = {
     },
     "membership": {
         # membership down to one voter and back up to five, under partitions
+        "min_steps": 25000,
         "voters": 3,
         "learners": 2,
         "client_per_s": 600.0,
         "min_voters": 1,
+        "transfers": False,
     },
     "conf-replay": {
         "min_steps": 25000,

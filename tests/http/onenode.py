@@ -9,10 +9,25 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.web_runner import BaseRunner
 
 from dledger.config import NodeConfig
 from dledger.node import Node
+from http_api.guard import HttpLimits
+from http_api.protocol import NodeAppRunner
 from http_api.server import make_node_app, make_state_machine
+
+
+class NodeTestServer(TestServer):
+    """aiohttp's TestServer with the node's connection handling
+    (http_api/protocol.py: limits, timeouts, envelope parser errors)."""
+
+    def __init__(self, app: Any, limits: HttpLimits, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.limits = limits
+
+    async def _make_runner(self, **kwargs: Any) -> BaseRunner:
+        return NodeAppRunner(self.app, self.limits, **kwargs)
 
 
 @asynccontextmanager
@@ -24,7 +39,8 @@ async def serve_one_node(cfg: NodeConfig) -> AsyncIterator[TestClient[Any, Any]]
     while not node.leader_ready():
         assert time.monotonic() < deadline, "a one-node cluster did not elect itself"
         await asyncio.sleep(0.02)
-    c: TestClient[Any, Any] = TestClient(TestServer(make_node_app(node)))
+    server = NodeTestServer(make_node_app(node), HttpLimits.of(cfg))
+    c: TestClient[Any, Any] = TestClient(server)
     await c.start_server()
     try:
         yield c

@@ -97,9 +97,8 @@ def content_encoding(request: web.BaseRequest) -> str:
         return "identity"
     parts = [p.strip().lower() for v in values for p in v.split(",") if p.strip()]
     if len(parts) != 1 or parts[0] not in ENCODINGS:
-        shown = ", ".join(parts)[:80]
         raise UnsupportedEncoding(
-            f"Content-Encoding {shown!r} is not supported (one of: {', '.join(ENCODINGS)})"
+            f"this Content-Encoding is not supported: send one of {', '.join(ENCODINGS)}"
         )
     return parts[0]
 
@@ -150,6 +149,8 @@ async def read_body(request: web.Request, limits: HttpLimits) -> bytes:
                     if inflated > cap:
                         raise _too_large(cap, "inflates to")
                     out.append(piece)
+                    if inflater.unused_data:  # (one gzip member only)
+                        raise BadEncoding(f"data after the end of the {encoding} stream")
                     data = inflater.unconsumed_tail
                     await asyncio.sleep(0)
     except TimeoutError:

@@ -47,7 +47,12 @@ from aiohttp import web
 
 from broker_adapter import codec
 from broker_adapter.codec import CommandKind, Limits, MessageRow, ResetMode
-from broker_adapter.errors import BrokerError, InvalidArgument, InvalidTopicName
+from broker_adapter.errors import (
+    BrokerError,
+    InvalidArgument,
+    InvalidTopicName,
+    TooManyProperties,
+)
 from broker_adapter.node_sm import BrokerStateMachine
 from broker_adapter.state import (
     OffsetsResult,
@@ -314,7 +319,9 @@ class BrokerApi:
     async def produce(self, request: web.Request) -> web.Response:
         topic = codec.check_name(request.match_info["topic"])
         body = await self._body(request)
-        msgs = await parse_messages_stepwise(body.get("messages"), self.limits)
+        msgs = await parse_messages_stepwise(
+            body.get("messages"), self.limits, self.node.cfg.max_batch_properties
+        )
         pid = _opt_int(body, "producer_id", 0, 1 << 64)
         epoch = _opt_int(body, "epoch", 0, 1 << 32)
         seq = _opt_int(body, "sequence", 0, 1 << 62)
@@ -659,7 +666,10 @@ def _str_field(m: dict[str, Any], name: str, where: str) -> str:
 
 
 async def parse_messages_stepwise(
-    raw_msgs: object, limits: Limits, step: int = YIELD_EVERY
+    raw_msgs: object,
+    limits: Limits,
+    max_batch_properties: int | None = None,
+    step: int = YIELD_EVERY,
 ) -> list[MessageRow]:
     """:func:`parse_messages` in slices of ``step`` messages with a yield to
     the event loop between them (the loop also runs Raft). The batch and
@@ -671,6 +681,19 @@ async def parse_messages_stepwise(
             f"{len(raw_msgs)} messages, at most {limits.max_batch_messages} per batch",
             field="messages",
         )
+    if max_batch_properties is not None:
+        total = 0
+        for m in raw_msgs:
+            if type(m) is dict:
+                props = m.get("properties")
+                if type(props) is dict:
+                    total += len(props)
+        if total > max_batch_properties:
+            raise TooManyProperties(
+                f"{total} properties in this batch, at most {max_batch_properties} "
+                "(max_batch_properties)",
+                "messages",
+            )
     if len(raw_msgs) <= step:
         return parse_messages(raw_msgs)
     out: list[MessageRow] = []

@@ -40,8 +40,15 @@ def worst_requests(cfg: NodeConfig) -> dict[str, tuple[bytes, dict[str, str], in
     cap = cfg.http_body_cap_bytes
     json_h = {"Content-Type": "application/json"}
     most_msgs = _dump({"messages": [{"value": "AA=="}] * cfg.max_batch_messages})
-    m = {"value": "AA==", "properties": {f"k{i:03d}": "" for i in range(cfg.max_message_properties)}}
-    n = min(cfg.max_batch_messages, (cap - 64) // (len(_dump(m)) + 1))
+    m = {
+        "value": "AA==",
+        "properties": {f"k{i:03d}": "" for i in range(cfg.max_message_properties)},
+    }
+    n = min(
+        cfg.max_batch_messages,
+        (cap - 64) // (len(_dump(m)) + 1),
+        cfg.max_batch_properties // cfg.max_message_properties,
+    )
     most_props = _dump({"messages": [m] * n})
     # largest inflated body: values of base64 text filling the cap
     value = "A" * 4000

@@ -148,6 +148,9 @@ class NodeConfig:
     # Back-pressure and sizes.
     max_inflight_proposals: int = 10000
     max_inflight_msgs: int = 256
+    # entry bytes in flight to one follower: bounds the leader's work per
+    # acknowledgement while it catches a far-behind follower up
+    max_inflight_bytes: int = 8 << 20
     max_msg_bytes: int = 1 << 20
     max_entry_bytes: int = 4 << 20
     max_apply_bytes: int = 8 << 20
@@ -211,6 +214,7 @@ class NodeConfig:
             heartbeat_ticks=self.heartbeat_ticks,
             lease_drift_ticks=self.lease_drift_ticks,
             max_inflight_msgs=self.max_inflight_msgs,
+            max_inflight_bytes=self.max_inflight_bytes,
             max_msg_bytes=self.max_msg_bytes,
             max_apply_bytes=self.max_apply_bytes,
             transfer_max_lag=self.transfer_max_lag,

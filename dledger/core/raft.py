@@ -576,7 +576,12 @@ class RawNode:
         nxt = self.log.last_index() + 1
         self._progress = {}
         for nid in self.config.members():
-            pr = Progress(nxt, self.cfg.max_inflight_msgs, self.config.is_learner(nid))
+            pr = Progress(
+                nxt,
+                self.cfg.max_inflight_msgs,
+                self.config.is_learner(nid),
+                self.cfg.max_inflight_bytes,
+            )
             if nid == self.id:
                 pr.match = self.log.stable_last_index()
                 pr.next = nxt
@@ -1027,7 +1032,9 @@ class RawNode:
                 commit=self.log.committed,
             )
         )
-        pr.sent_entries(ents[-1].index if ents else None)
+        pr.sent_entries(
+            ents[-1].index if ents else None, sum(len(e.data) for e in ents) + 32 * len(ents)
+        )
         return True
 
     def _send_snapshot(self, to: int, pr: Progress) -> None:
@@ -1188,7 +1195,12 @@ class RawNode:
                 self._acked_round.pop(nid, None)
         for nid in sorted(members):
             if nid not in self._progress:
-                pr = Progress(self.log.last_index() + 1, self.cfg.max_inflight_msgs, True)
+                pr = Progress(
+                    self.log.last_index() + 1,
+                    self.cfg.max_inflight_msgs,
+                    True,
+                    self.cfg.max_inflight_bytes,
+                )
                 self._progress[nid] = pr
             self._progress[nid].is_learner = self.config.is_learner(nid)
         if self._transferee != NONE and not self.config.is_voter(self._transferee):

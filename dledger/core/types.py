@@ -299,6 +299,7 @@ class RaftConfig:
     heartbeat_ticks: int = 1
     lease_drift_ticks: int = 2
     max_inflight_msgs: int = 256
+    max_inflight_bytes: int = 8 << 20  # entry bytes in flight per follower (0: unbounded)
     max_msg_bytes: int = 1 << 20
     max_apply_bytes: int = 8 << 20
     transfer_max_lag: int = 1024
@@ -359,6 +360,8 @@ class RaftConfig:
             )
         if self.max_inflight_msgs < 1 or self.max_msg_bytes < 1:
             raise ConfigError("max_inflight_msgs and max_msg_bytes must be >= 1")
+        if self.max_inflight_bytes < 0:
+            raise ConfigError("max_inflight_bytes must be >= 0 (0: no byte bound)")
         if self.snapshot_trailing_entries < 0 or self.snapshot_retry_ticks < 1:
             raise ConfigError("snapshot_trailing_entries >= 0 and snapshot_retry_ticks >= 1")
         if self.transfer_max_lag < 0:

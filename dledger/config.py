@@ -182,6 +182,9 @@ class NodeConfig:
     # Broker: a produce to an unknown topic creates it with this many queues
     # (0: it is refused with UNKNOWN_TOPIC).
     auto_create_topic_queues: int = 0
+    # Planted bugs (simulator and checker self-tests only): core switches
+    # (dledger.core.raft.CORE_FAULTS) and node ones (dledger.node.NODE_FAULTS).
+    faults: frozenset[str] = frozenset()
 
     # -- derived -------------------------------------------------------------
     @property
@@ -219,7 +222,8 @@ class NodeConfig:
             max_apply_bytes=self.max_apply_bytes,
             transfer_max_lag=self.transfer_max_lag,
             snapshot_trailing_entries=self.snapshot_trailing_entries,
-            faults=faults.core_faults(),  # planted bugs, tests only (dledger/faults.py)
+            # planted bugs, tests only (dledger/faults.py, the simulator)
+            faults=faults.core_faults() | self.faults,
         )
 
     def validate(self) -> None:
@@ -330,7 +334,10 @@ _IDENTITY = frozenset(
     }
 )
 TUNABLES: dict[str, object] = {
-    f.name: f.default for f in fields(NodeConfig) if f.name not in _IDENTITY
+    # planted-bug switches are never a cluster-file setting
+    f.name: f.default
+    for f in fields(NodeConfig)
+    if f.name not in _IDENTITY and f.name != "faults"
 }
 
 

@@ -108,8 +108,10 @@ FAULT_CAMPAIGN_UNAPPLIED_CONF = "campaign_unapplied_conf"  # campaign with a con
 FAULT_LEARNER_IGNORES_VOTES = "learner_ignores_votes"  # a not-yet-promoted learner never votes
 FAULT_HEARTBEAT_COMMIT_UNCHECKED = "heartbeat_commit_unchecked"  # commit what we hold, unconfirmed
 FAULT_LEASE_STALE_CLOCK = "lease_stale_clock"  # node.py: lease decided on the pass's old ticks
+FAULT_ACK_BELOW_COMMIT = "ack_below_commit"  # answer appends below commit with it, unchecked
 CORE_FAULTS = frozenset(
     {
+        FAULT_ACK_BELOW_COMMIT,
         FAULT_CAMPAIGN_UNAPPLIED_CONF,
         FAULT_LEARNER_IGNORES_VOTES,
         FAULT_HEARTBEAT_COMMIT_UNCHECKED,
@@ -802,6 +804,10 @@ class RawNode:
 
     def _handle_append(self, m: Message) -> None:
         committed = self.log.committed
+        if m.index < committed and FAULT_ACK_BELOW_COMMIT in self._faults:
+            # planted bug (the old rule): acknowledge our commit index blindly
+            self._send(Message(MsgType.APP_RESP, m.frm, self.id, self.term, index=committed))
+            return
         if m.index < committed:
             # A delayed or duplicated append, or a probe below our commit
             # index. Everything we committed must agree with the leader: check

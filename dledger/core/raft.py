@@ -238,6 +238,24 @@ class RawNode:
         else:
             self._tick_election()
 
+    def ticks_until_due(self) -> int:
+        """How many ticks from now the next tick can change anything (a
+        heartbeat, a check-quorum round, an election timeout): a driver with
+        nothing else to do may sleep that long and then tick the missed ticks
+        at once, which has the same effect as ticking each one. Inputs (a
+        message, a proposal) change it; ask again after each."""
+        if self.role is Role.LEADER:
+            return max(
+                1,
+                min(
+                    self.cfg.heartbeat_ticks - self._heartbeat_elapsed,
+                    self.cfg.election_ticks - self._election_elapsed,
+                ),
+            )
+        if not self._promotable():
+            return max(1, self.cfg.election_ticks)  # a learner never campaigns
+        return max(1, self._randomized_timeout - self._election_elapsed)
+
     def step(self, m: Message) -> None:
         """Feed one message from a peer. Term rules are applied here, once."""
         if m.to != self.id:

@@ -318,3 +318,39 @@ def test_catch_up_sends_at_most_max_inflight_bytes_per_follower() -> None:
     assert len(seen) > 10
     assert max(seen) <= 20_000 + 4096  # the bound, plus at most one message
     assert max(seen) > 10_000  # and the window was really used
+
+
+# ===========================================================================
+# Idle cost: the driver may sleep until the next tick that matters
+# ===========================================================================
+
+
+@pytest.mark.parametrize("role", ["leader", "follower"])
+def test_ticking_the_due_ticks_at_once_equals_ticking_each(role: str) -> None:
+    """Sleeping ``ticks_until_due()`` ticks and then ticking them in a row
+    gives the same messages and state as ticking one at a time."""
+
+    def make() -> tuple[Network, RawNode]:
+        net = Network.of((1, 2, 3))
+        net.elect(1)
+        n = net.nodes[1 if role == "leader" else 2]
+        return net, n
+
+    net_a, a = make()
+    net_b, b = make()
+    for _ in range(5):
+        due = a.ticks_until_due()
+        assert due >= 1
+        for _ in range(due - 1):  # the ticks before the due one change nothing
+            a.tick()
+            b.tick()
+            assert read_messages(b) == []
+        a.tick()
+        b.tick()
+        msgs_a, msgs_b = read_messages(a), read_messages(b)
+        assert msgs_a == msgs_b and msgs_a, (role, due)
+        assert (a.role, a.term) == (b.role, b.term)
+        net_a.send(*msgs_a)
+        net_b.send(*msgs_b)
+        net_a.deliver_all()
+        net_b.deliver_all()

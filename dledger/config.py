@@ -160,6 +160,9 @@ class NodeConfig:
     # Back-pressure and sizes.
     max_inflight_proposals: int = 10000
     max_inflight_msgs: int = 256
+    # entry bytes in flight to one follower: bounds the leader's work per
+    # acknowledgement while it catches a far-behind follower up
+    max_inflight_bytes: int = 8 << 20
     max_msg_bytes: int = 1 << 20
     max_entry_bytes: int = 4 << 20
     max_apply_bytes: int = 8 << 20
@@ -221,6 +224,9 @@ class NodeConfig:
     # Broker: a produce to an unknown topic creates it with this many queues
     # (0: it is refused with UNKNOWN_TOPIC).
     auto_create_topic_queues: int = 0
+    # Planted bugs (simulator and checker self-tests only): core switches
+    # (dledger.core.raft.CORE_FAULTS) and node ones (dledger.node.NODE_FAULTS).
+    faults: frozenset[str] = frozenset()
 
     # -- derived -------------------------------------------------------------
     @property
@@ -258,11 +264,13 @@ class NodeConfig:
             heartbeat_ticks=self.heartbeat_ticks,
             lease_drift_ticks=self.lease_drift_ticks,
             max_inflight_msgs=self.max_inflight_msgs,
+            max_inflight_bytes=self.max_inflight_bytes,
             max_msg_bytes=self.max_msg_bytes,
             max_apply_bytes=self.max_apply_bytes,
             transfer_max_lag=self.transfer_max_lag,
             snapshot_trailing_entries=self.snapshot_trailing_entries,
-            faults=faults.core_faults(),  # planted bugs, tests only (dledger/faults.py)
+            # planted bugs, tests only (dledger/faults.py, the simulator)
+            faults=faults.core_faults() | self.faults,
         )
 
     def validate(self) -> None:
@@ -397,7 +405,10 @@ _IDENTITY = frozenset(
     }
 )
 TUNABLES: dict[str, object] = {
-    f.name: f.default for f in fields(NodeConfig) if f.name not in _IDENTITY
+    # planted-bug switches are never a cluster-file setting
+    f.name: f.default
+    for f in fields(NodeConfig)
+    if f.name not in _IDENTITY and f.name != "faults"
 }
 
 

@@ -70,12 +70,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import heapq
 import logging
 import os
-import random
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,7 +80,7 @@ from typing import Any, Literal
 
 from dledger.config import NodeConfig
 from dledger.core.codec import decode_message, encode_message
-from dledger.core.raft import RawNode
+from dledger.core.raft import FAULT_LEASE_STALE_CLOCK, RawNode
 from dledger.core.types import (
     EARLY_SEND_TYPES,
     NONE,
@@ -109,10 +106,9 @@ from dledger.errors import (
     TransferInProgress,
 )
 from dledger.metrics import Histogram
+from dledger.runtime import NodeEnv, NodeStorage, NodeTransport
 from dledger.snapshot_stream import SnapshotStreams, StreamSettings, is_stream_frame
 from dledger.statemachine import LogStateMachine, StateMachine
-from dledger.storage.lmdb_store import LmdbStorage
-from dledger.transport.tcp import TcpTransport
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +123,12 @@ _STOP_TIMEOUT_S = 10.0
 _COMPACT_STEP = 4096
 # Queued operations (proposals, reads, admin) taken into the core per pass.
 _OPS_PER_PASS = 1024
+
+# Node-level planted bug (simulator checker self-test; set through
+# RaftConfig.faults / NodeConfig.faults, never in production): a lease read is
+# decided against the tick count of the pass's start, and a stalled pass does
+# not suspend the lease.
+NODE_FAULTS = frozenset({FAULT_LEASE_STALE_CLOCK})
 
 
 class OutcomeUnknown(DLedgerError):
@@ -185,27 +187,6 @@ class _Pending:
     conf: bool
 
 
-def _lock_data_dir(data_dir: str) -> int:
-    """Take an exclusive lock on ``data_dir`` for this process's lifetime.
-
-    LMDB lets several processes open one environment; two nodes writing one
-    log would destroy it, so a second node on the same directory is refused."""
-    os.makedirs(data_dir, exist_ok=True)
-    path = os.path.join(data_dir, "node.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise ConfigError(
-            f"data directory {data_dir} is in use by another node process (pid {holder})"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
 def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
     if not fut.done():
         fut.set_exception(exc)
@@ -219,17 +200,28 @@ def _resolve(fut: asyncio.Future[Any], value: object) -> None:
 class Node:
     """One node: storage, transport and the Raft loop. See the module docstring."""
 
-    def __init__(self, cfg: NodeConfig, state_machine: StateMachine | None = None) -> None:
+    def __init__(
+        self,
+        cfg: NodeConfig,
+        state_machine: StateMachine | None = None,
+        env: NodeEnv | None = None,
+    ) -> None:
         cfg.validate()
         self.cfg = cfg
+        # Clock, worker threads, randomness, storage, transport and the work
+        # hook (dledger/runtime.py): production defaults, or the simulator's.
+        self.env = env if env is not None else NodeEnv()
+        self._clock = self.env.clock
+        self._work = self.env.work
+        self._faults = cfg.raft_config().faults
         self.state_machine: StateMachine = (
             state_machine if state_machine is not None else LogStateMachine()
         )
-        self._storage: LmdbStorage | None = None
+        self._storage: NodeStorage | None = None
         self._raft: RawNode | None = None
-        self._transport: TcpTransport | None = None
+        self._transport: NodeTransport | None = None
         self._task: asyncio.Task[None] | None = None
-        self._lock_fd: int | None = None
+        self._release: Callable[[], None] | None = None
         self._wake = asyncio.Event()
         self._changed = asyncio.Event()  # replaced on every soft-state change
         self._inbox: deque[Message] = deque()
@@ -254,6 +246,8 @@ class Node:
         self._started_at = 0.0
         self.counters: dict[str, int] = {
             "ticks_skipped": 0,
+            "lease_suspended": 0,
+            "slow_passes": 0,
             "decode_errors": 0,
             "misaddressed": 0,
             "inbox_dropped": 0,
@@ -289,6 +283,8 @@ class Node:
             deliver=self._deliver_snapshot,
             failed=self._stream_failed,
             counters=self.counters,
+            clock=self._clock,
+            offload=self.env.offload,
         )
         # A local snapshot in the making: built and written by a background
         # task (off the loop), recorded by the loop; then the log is compacted
@@ -298,6 +294,18 @@ class Node:
         self._sync_s_total = 0.0
         self._sync_s_max = 0.0
         self._loop_lag_s_max = 0.0
+        # Per pass: how late it started (vs. the tick it was due for) plus how
+        # long it ran; a long one means ticks, heartbeats and lease checks
+        # waited that long.
+        self.loop_lag_seconds = Histogram()
+        self._last_catch_up_s = 0.0
+        # A stall between two tick catch-ups longer than the lease's safety
+        # margin (RaftConfig.lease_margin_ticks: what is left of the
+        # stickiness window after the lease and clock drift) drops the lease
+        # (r.suspend_lease): a heartbeat round made before the stall may have
+        # left only after it.
+        self._lease_margin_s = cfg.raft_config().lease_margin_ticks() * cfg.tick_ms / 1000
+        self._pass_msgs = self._pass_ops = self._pass_persisted = self._pass_applied = 0
 
     # ======================================================================
     # lifecycle
@@ -308,19 +316,8 @@ class Node:
         if self._running or self._stopping:
             raise RuntimeError("a Node can be started once")
         cfg = self.cfg
-        self._lock_fd = _lock_data_dir(cfg.data_dir)
-        try:
-            storage = LmdbStorage.open(
-                cfg.data_dir,
-                map_size=cfg.map_size_bytes,
-                flush=cfg.flush,
-                flush_interval_s=cfg.flush_interval_ms / 1000,
-                verify=cfg.verify,
-                verify_tail=cfg.verify_tail_entries,
-            )
-        except BaseException:
-            self._unlock()
-            raise
+        env = self.env
+        storage, self._release = env.open_storage(cfg)
         started = False
         try:
             snap = storage.snapshot()
@@ -334,11 +331,11 @@ class Node:
                 cfg.raft_config(),
                 storage,
                 storage,
-                random.Random(),
+                env.rng,
                 applied=snap.meta.index if snap is not None else 0,
                 snapshot=snap.meta if snap is not None else None,
             )
-            transport = TcpTransport(
+            transport = env.make_transport(
                 cfg.node_id,
                 cfg.cluster_id,
                 cfg.raft_host,
@@ -369,7 +366,8 @@ class Node:
             cfg.flush,
             self.restored_from_snapshot,
         )
-        self._t0 = self._started_at = self._last_flush_s = time.monotonic()
+        self._t0 = self._started_at = self._last_flush_s = self._clock()
+        self._last_catch_up_s = self._t0
         self._running = True
         self._task = asyncio.get_running_loop().create_task(
             self._run(), name=f"dledger-node-{cfg.node_id}"
@@ -415,9 +413,9 @@ class Node:
         return self._running and not self._stopping and self.fatal is None
 
     def _unlock(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # closing the descriptor releases the flock
-            self._lock_fd = None
+        if self._release is not None:
+            release, self._release = self._release, None
+            release()  # production: closing the lock descriptor releases the flock
 
     def _r(self) -> RawNode:
         if self._raft is None or not self.running:
@@ -496,6 +494,10 @@ class Node:
             self._read_ctx += 1
             ctx = self._read_ctx
             self._reads[ctx] = fut
+            if FAULT_LEASE_STALE_CLOCK not in self._faults:
+                # A lease read is decided against the clock as it is now, not
+                # as it was when this pass began (it may have stalled since).
+                self._catch_up_ticks(r)
             try:
                 r.read_index(ctx)
             except DLedgerError as exc:
@@ -593,7 +595,7 @@ class Node:
             "cluster_id": cfg.cluster_id,
             "running": self.running,
             "pid": os.getpid(),
-            "uptime_s": round(time.monotonic() - self._started_at, 3) if self._started_at else 0,
+            "uptime_s": round(self._clock() - self._started_at, 3) if self._started_at else 0,
         }
         if self.fatal is not None:
             out["fatal"] = f"{type(self.fatal).__name__}: {self.fatal}"
@@ -763,6 +765,9 @@ class Node:
         try:
             while not self._stopping:
                 await self._wait_for_work()
+                start = self._clock()
+                due = self._t0 + (self._ticks + 1) * self.cfg.tick_ms / 1000
+                self._pass_msgs = self._pass_ops = self._pass_persisted = self._pass_applied = 0
                 self._catch_up_ticks(r)
                 self._step_inputs(r)
                 while r.has_ready():
@@ -793,6 +798,7 @@ class Node:
                     await asyncio.sleep(0)
                 await self._snapshot_housekeeping(r)
                 await self._maybe_flush()
+                self._end_pass(start, due)
         except Exception as exc:
             self.fatal = exc
             logger.critical(
@@ -805,12 +811,31 @@ class Node:
             self._fail_all(OutcomeUnknown(f"the node failed: {exc}"))
             self.failed.set()
 
+    def _end_pass(self, start: float, due: float) -> None:
+        """Loop lag of one pass: how late it began plus how long it ran."""
+        ran = self._clock() - start
+        lag = max(0.0, start - due) + ran
+        self.loop_lag_seconds.observe(lag)
+        self._loop_lag_s_max = max(self._loop_lag_s_max, lag)
+        if ran * 4 > self.cfg.election_timeout_ms / 1000:
+            self.counters["slow_passes"] += 1
+            logger.warning(
+                "node %d: a loop pass ran %.0f ms (over a quarter of the election timeout): "
+                "%d messages stepped, %d ops, %d entries persisted, %d applied",
+                self.cfg.node_id,
+                ran * 1000,
+                self._pass_msgs,
+                self._pass_ops,
+                self._pass_persisted,
+                self._pass_applied,
+            )
+
     async def _wait_for_work(self) -> None:
         if self._inbox or self._ops or self._stopping:
             return
         loop = asyncio.get_running_loop()
         due = self._t0 + (self._ticks + 1) * self.cfg.tick_ms / 1000
-        delay = due - time.monotonic()
+        delay = due - self._clock()
         if delay <= 0:
             return
         self._wake.clear()
@@ -821,13 +846,21 @@ class Node:
             handle.cancel()
 
     def _catch_up_ticks(self, r: RawNode) -> None:
-        now = time.monotonic()
+        now = self._clock()
+        stall = now - self._last_catch_up_s - self.cfg.tick_ms / 1000
+        self._last_catch_up_s = now
+        if stall > self._lease_margin_s and FAULT_LEASE_STALE_CLOCK not in self._faults:
+            # Ticks (so heartbeats and lease expiry) stood still for longer
+            # than the lease's safety margin: a heartbeat round counted from
+            # before the stall may have left only now, so its followers'
+            # timers started late. No lease until a round sent from now on
+            # is acknowledged (reads fall back to ReadIndex meanwhile).
+            r.suspend_lease()
+            self.counters["lease_suspended"] += 1
         due = int((now - self._t0) * 1000 // self.cfg.tick_ms)
         n = due - self._ticks
         if n <= 0:
             return
-        lag = now - (self._t0 + (self._ticks + 1) * self.cfg.tick_ms / 1000)
-        self._loop_lag_s_max = max(self._loop_lag_s_max, lag)
         cap = _MAX_CATCH_UP_ELECTIONS * self.cfg.election_ticks
         if n > cap:
             self.counters["ticks_skipped"] += n - cap
@@ -845,7 +878,10 @@ class Node:
 
     def _step_inputs(self, r: RawNode) -> None:
         inbox = self._inbox
+        work = self._work
         while inbox:
+            work("step", 1)
+            self._pass_msgs += 1
             r.step(inbox.popleft())
         # Bounded work per pass: a burst of queued proposals becomes several
         # Readies of at most _OPS_PER_PASS each, with ticks and peer messages
@@ -853,6 +889,8 @@ class Node:
         # past an election timeout (seen with 5000 x 1 KiB in flight, 5 voters).
         ops = self._ops
         for _ in range(min(len(ops), _OPS_PER_PASS)):
+            work("op", 1)
+            self._pass_ops += 1
             ops.popleft()[1]()
 
     async def _persist(self, rd: Ready) -> None:
@@ -862,19 +900,21 @@ class Node:
         if rd.snapshot is not None:
             self._install_snapshot(st, rd.snapshot)
         if rd.entries:
+            self._work("persist", len(rd.entries))
+            self._pass_persisted += len(rd.entries)
             st.append(rd.entries)
         if rd.hard_state is not None:
             st.save_hard_state(rd.hard_state)
         if rd.must_sync:
-            t = time.monotonic()
-            await asyncio.to_thread(self._sync_blocking, st)
-            dt = time.monotonic() - t
+            t = self._clock()
+            await self.env.offload(self._sync_blocking, st)
+            dt = self._clock() - t
             self._sync_s_total += dt
             self._sync_s_max = max(self._sync_s_max, dt)
             self.counters["syncs"] += 1
             self.counters["synced_entries"] += len(rd.entries)
 
-    def _install_snapshot(self, st: LmdbStorage, snap: Snapshot) -> None:
+    def _install_snapshot(self, st: NodeStorage, snap: Snapshot) -> None:
         """Restore the state machine from a leader's snapshot and reset the
         log to it (durable with this Ready's sync, before anything is sent)."""
         meta = snap.meta
@@ -946,8 +986,8 @@ class Node:
         build = self.state_machine.snapshot_builder()
 
         async def make() -> tuple[Snapshot, str]:
-            snap = Snapshot(meta, await asyncio.to_thread(build))
-            name = await asyncio.to_thread(st.write_snapshot_file, snap)
+            snap = Snapshot(meta, await self.env.offload(build))
+            name = await self.env.offload(st.write_snapshot_file, snap)
             self._wake.set()
             return snap, name
 
@@ -964,7 +1004,7 @@ class Node:
             self._snap_task = None
             snap, name = task.result()  # a failed write raises: the loop stops
             if st.record_snapshot(snap, name):
-                await asyncio.to_thread(self._sync_blocking, st)
+                await self.env.offload(self._sync_blocking, st)
                 self._snap = snap
                 self.counters["snapshots_taken"] += 1
                 self._compact_to = r.snapshot_taken(snap.meta)
@@ -988,7 +1028,7 @@ class Node:
         else:
             term, pos = st.term(upto - 1), st.entries(upto - 1, upto)[0].end_pos
         st.compact(upto, term, pos)
-        await asyncio.to_thread(self._sync_blocking, st)
+        await self.env.offload(self._sync_blocking, st)
         if self._compact_to is None:
             logger.info(
                 "node %d: log compacted; it now starts at %d", self.cfg.node_id, st.first_index()
@@ -996,19 +1036,18 @@ class Node:
         else:
             self._wake.set()  # the next step comes after whatever queued meanwhile
 
-    @staticmethod
-    def _sync_blocking(st: LmdbStorage) -> None:
+    def _sync_blocking(self, st: NodeStorage) -> None:
         st.sync()
-        st.maybe_flush(time.monotonic())  # async mode: fsync once per interval
+        st.maybe_flush(self._clock())  # async mode: fsync once per interval
 
     async def _maybe_flush(self) -> None:
         st = self._storage
         if st is None or self.cfg.flush != "async":
             return
-        now = time.monotonic()
+        now = self._clock()
         if now - self._last_flush_s >= self.cfg.flush_interval_ms / 1000:
             self._last_flush_s = now
-            await asyncio.to_thread(st.maybe_flush, now)
+            await self.env.offload(st.maybe_flush, now)
 
     def _send(self, rd: Ready, early: bool) -> None:
         tr = self._transport
@@ -1024,7 +1063,9 @@ class Node:
         the pending membership changes applied, resolved after advance()."""
         sm = self.state_machine
         conf_applied: list[_Pending] = []
+        work = self._work
         for e in rd.committed_entries:
+            work("apply", 1)
             result = sm.apply(e)
             self.applied = e.index
             p = self._pending.pop(e.index, None)
@@ -1044,6 +1085,7 @@ class Node:
                 self.counters["proposals_ok"] += 1
                 _resolve(p.future, Applied(e.index, e.term, result))
         self.counters["applied_entries"] += len(rd.committed_entries)
+        self._pass_applied += len(rd.committed_entries)
         for rs in rd.read_states:
             fut = self._reads.pop(rs.ctx, None)
             if fut is None:
@@ -1104,9 +1146,9 @@ class Node:
         ev.set()
 
     async def _wait_changed(self, pred: Callable[[], bool], timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
+        deadline = self._clock() + timeout_s
         while not pred():
-            left = deadline - time.monotonic()
+            left = deadline - self._clock()
             if left <= 0 or not self.running:
                 return pred()
             with contextlib.suppress(TimeoutError):

@@ -58,7 +58,7 @@ import logging
 import struct
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from dledger.core.codec import decode_message, encode_message
@@ -502,8 +502,14 @@ class SnapshotStreams:
         deliver: Callable[[Message], None],
         failed: Callable[[int], None],
         counters: dict[str, int],
+        clock: Callable[[], float] = time.monotonic,
+        offload: Callable[[Callable[[bytes], int], bytes], Awaitable[int]] | None = None,
     ) -> None:
         self.node_id = node_id
+        # The node's clock and worker-thread runner (dledger/runtime.py), so
+        # the simulator drives streams on virtual time too.
+        self._clock = clock
+        self._offload = offload
         self.settings = settings
         self._send = send
         self._deliver = deliver
@@ -547,7 +553,7 @@ class SnapshotStreams:
             len(snap.data),
             s.chunk_bytes,
             s.window_chunks,
-            time.monotonic(),
+            self._clock(),
             s.resend_after_s,
             s.timeout_s,
         )
@@ -584,13 +590,16 @@ class SnapshotStreams:
         cached = self._crc_of
         if cached is not None and cached[0] is snap:
             return cached[1]
-        crc = await asyncio.to_thread(zlib.crc32, snap.data)  # releases the GIL
+        if self._offload is not None:
+            crc = await self._offload(zlib.crc32, snap.data)
+        else:
+            crc = await asyncio.to_thread(zlib.crc32, snap.data)  # releases the GIL
         self._crc_of = (snap, crc)
         return crc
 
     async def _stream(self, m: Message, snap: Snapshot, out: _Outgoing) -> None:
         to, meta, win = m.to, snap.meta, out.window
-        t0 = time.monotonic()
+        t0 = self._clock()
         ok = False
         try:
             pcrc = await self._payload_crc(snap)
@@ -611,7 +620,7 @@ class SnapshotStreams:
                     )
                     break
                 rewinds = win.rewinds
-                if not win.poll(time.monotonic()):
+                if not win.poll(self._clock()):
                     logger.warning(
                         "node %d: snapshot at %d to node %d: no progress for %.1fs at "
                         "%d of %d bytes; giving up",
@@ -658,7 +667,7 @@ class SnapshotStreams:
             cached = self._crc_of
             if cached is not None and all(o.snap is not cached[0] for o in self._out.values()):
                 self._crc_of = None  # do not keep a superseded snapshot alive for its CRC
-        dt = time.monotonic() - t0
+        dt = self._clock() - t0
         if ok:
             self.counters["snapshots_sent"] += 1
             logger.info(
@@ -692,7 +701,7 @@ class SnapshotStreams:
         if isinstance(f, Ack):
             out = self._out.get(peer_id)
             if out is not None and (out.meta.index, out.meta.term) == (f.index, f.term):
-                out.window.on_ack(f, time.monotonic())
+                out.window.on_ack(f, self._clock())
                 out.wake.set()
             return
         self._on_chunk(peer_id, f)

@@ -617,6 +617,7 @@ class BrokerApi:
             auth_on=auth is not None,
             public=auth.public if auth is not None else DEFAULT_PUBLIC_PATHS,
             schemas=guard.components if guard is not None else None,
+            limits=guard.published_limits(self.node.cfg) if guard is not None else None,
         )
         return json_response(doc)
 

@@ -223,6 +223,21 @@ class Guard:
                 return error_response(exc)
         return await handler(request)
 
+    def published_limits(self, cfg: NodeConfig) -> dict[str, int]:
+        """The caps and timeouts /openapi.json publishes (``info.x-limits``),
+        by their cluster-file names."""
+        lim = self.limits
+        return {
+            "http_max_body_bytes": lim.max_body_bytes,
+            "max_batch_messages": lim.max_batch_messages,
+            "max_message_properties": lim.max_message_properties,
+            "max_batch_properties": cfg.max_batch_properties,
+            "http_header_timeout_ms": round(lim.header_timeout_s * 1000),
+            "http_body_timeout_ms": round(lim.body_timeout_s * 1000),
+            "http_idle_timeout_ms": round(lim.idle_timeout_s * 1000),
+            "http_max_connections": lim.max_connections,
+        }
+
     def check_params(self, request: web.Request, op: Op) -> None:
         query = request.query
         for name in query:

@@ -617,9 +617,12 @@ def openapi_document(
     auth_on: bool = False,
     public: tuple[str, ...] = (),
     schemas: dict[str, dict[str, Any]] | None = None,
+    limits: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The document of ``app``'s routes; ``roles`` (the auth table) adds
-    each operation's ``x-required-role`` and, with ``auth_on``, its security."""
+    each operation's ``x-required-role`` and, with ``auth_on``, its security.
+    ``schemas``: :func:`request_schemas` with the node's caps; ``limits``:
+    the node's HTTP caps and timeouts, published as ``info.x-limits``."""
     paths: dict[str, dict[str, Any]] = {}
     for route in app.router.routes():
         method = route.method.upper()
@@ -642,6 +645,7 @@ def openapi_document(
             "version": "0.1.0",
             "description": "A RocketMQ-style CommitLog replicated by Raft: produce, consume, "
             "consumer groups, topic and cluster admin. Errors share one envelope.",
+            **({"x-limits": limits} if limits is not None else {}),
         },
         "paths": dict(sorted(paths.items())),
         "components": {

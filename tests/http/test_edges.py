@@ -278,3 +278,18 @@ async def test_connection_cap_refuses_with_503(tmp_path: Path) -> None:
                 break
             await asyncio.sleep(0.05)
         assert r.status == 200
+
+
+async def test_the_document_publishes_the_caps_and_metrics_the_loop_lag(
+    client: TestClient[Any, Any],
+) -> None:
+    st, doc = await _json(client, "GET", "/openapi.json")
+    assert st == 200
+    limits = doc["info"]["x-limits"]
+    assert limits["max_batch_messages"] == 4096 and limits["http_max_connections"] == 1024
+    msg = doc["components"]["schemas"]["MessageIn"]["properties"]["properties"]
+    assert msg["maxProperties"] == limits["max_message_properties"]
+    r = await client.get("/metrics")
+    text = await r.text()
+    assert "dledger_loop_lag_max_seconds " in text
+    assert "dledger_loop_lag_seconds_bucket" in text  # Node.loop_lag_seconds

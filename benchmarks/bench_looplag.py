@@ -1,6 +1,8 @@
 """Event-loop lag of a 3-voter leader under the worst requests its HTTP caps
 accept (issue #13): the most messages, the most properties, the largest
-inflated body, a gzip bomb (413) and a body that is not gzip (400), each
+inflated body, a gzip bomb (413), a body that is not gzip (400), and two
+bodies the caps refuse only after a parse (200,000 messages, 200,000
+properties: 422, parsed off the loop by http_api/parse_worker.py), each
 sent ``repeats`` times in a row while another client produces one message
 at a time.
 
@@ -58,6 +60,19 @@ def worst_requests(cfg: NodeConfig) -> dict[str, tuple[bytes, dict[str, str], in
         "largest_inflated": (gzip.compress(big), gz, 200),
         "gzip_bomb": (bomb, gz, 413),
         "bad_gzip": (most_msgs[:5000], gz, 400),
+        # refused by the caps, but only known after a parse (done off the loop)
+        "200k_messages": (dump({"messages": [{"value": "AA=="}] * 200_000}), json_h, 422),
+        "200k_properties": (
+            dump(
+                {
+                    "messages": [
+                        {"value": "AA==", "properties": {str(i): "" for i in range(200_000)}}
+                    ]
+                }
+            ),
+            json_h,
+            422,
+        ),
     }
 
 

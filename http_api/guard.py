@@ -52,12 +52,14 @@ from http_api.errors import (
     error_response,
 )
 from http_api.openapi import OPERATIONS, Op, request_schemas
+from http_api.parse_worker import ParseWorker, token_bound
 from http_api.schema import YIELD_EVERY, Compiler, check_body, parse_query_value
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Bytes inflated per step (one zlib call, ~0.15 ms for a run of zeros).
 INFLATE_STEP = 64 << 10
+OFFLOAD_MIN_BYTES = 64 << 10  # smaller bodies are always parsed inline
 ENCODINGS = ("gzip", "x-gzip", "deflate", "identity")
 JSON_BODY = web.RequestKey("json_body", object)
 REQUEST_T0 = web.RequestKey("request_t0", float)
@@ -70,6 +72,7 @@ class HttpLimits:
     max_body_bytes: int = (4 << 20) + (64 << 10)
     max_batch_messages: int = 10_000
     max_message_properties: int = 64
+    max_batch_properties: int = 16_384
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     idle_timeout_s: float = 30.0
@@ -82,6 +85,7 @@ class HttpLimits:
             max_body_bytes=cfg.http_body_cap_bytes,
             max_batch_messages=cfg.max_batch_messages,
             max_message_properties=cfg.max_message_properties,
+            max_batch_properties=cfg.max_batch_properties,
             header_timeout_s=cfg.http_header_timeout_ms / 1000,
             body_timeout_s=cfg.http_body_timeout_ms / 1000,
             idle_timeout_s=cfg.http_idle_timeout_ms / 1000,
@@ -178,10 +182,23 @@ def op_of(request: web.Request) -> tuple[Op | None, bool]:
 class Guard:
     """The two middlewares, bound to the node's limits."""
 
-    def __init__(self, limits: HttpLimits) -> None:
+    def __init__(self, limits: HttpLimits, offload: bool = True) -> None:
         self.limits = limits
         self.components = request_schemas(limits.max_batch_messages, limits.max_message_properties)
         self.compiler = Compiler(self.components)
+        # Bodies that may hold more values than this are parsed and checked
+        # in a helper process first (http_api/parse_worker.py); below it an
+        # inline parse costs at most ~10-20 ms.
+        self.inline_tokens = 16 * limits.max_batch_messages + 2 * limits.max_batch_properties + 1024
+        self.worker = (
+            ParseWorker(limits.max_batch_messages, limits.max_message_properties)
+            if offload
+            else None
+        )
+
+    async def on_cleanup(self, app: web.Application) -> None:
+        if self.worker is not None:
+            self.worker.close()
 
     @web.middleware
     async def edge(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -264,6 +281,14 @@ class Guard:
             )
 
     async def check_json(self, raw: bytes, schema_name: str) -> Any:
+        if (
+            self.worker is not None
+            and len(raw) > OFFLOAD_MIN_BYTES
+            and token_bound(raw) > self.inline_tokens
+        ):
+            # may hold more than the caps allow: refused off the loop, or
+            # checked there to be within the caps (so the parse below is short)
+            await self.worker.check(raw, schema_name, self.limits.body_timeout_s)
         if not raw:
             body: Any = {}
         else:

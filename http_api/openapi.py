@@ -19,9 +19,10 @@ from typing import Any
 
 from aiohttp import web
 
-from broker_adapter.codec import MAX_QUEUES, NAME_MAX_LEN
+from broker_adapter.codec import DEFAULT_LIMITS, MAX_QUEUES, NAME_MAX_LEN
 
 _PARAM = re.compile(r"{(\w+)}")
+MAX_KEYS = DEFAULT_LIMITS.max_keys  # keys (and tags) of one message
 U62 = (1 << 62) - 1
 
 
@@ -598,11 +599,18 @@ def request_schemas(
     max_batch_messages: int = 10_000, max_message_properties: int = 64
 ) -> dict[str, dict[str, Any]]:
     """:data:`SCHEMAS` with the node's caps filled in (maxItems of a
-    produce's messages, maxProperties of a message's properties)."""
+    produce's messages and of a commit's offsets, maxProperties of a
+    message's properties, maxItems of its keys and tags)."""
     out = dict(SCHEMAS)
     msg = dict(out["MessageIn"])
     msg_props = dict(msg["properties"])
     msg_props["properties"] = {**msg_props["properties"], "maxProperties": max_message_properties}
+    msg_props["keys"] = {**msg_props["keys"], "maxItems": MAX_KEYS}
+    msg_props["tags"] = {"oneOf": [_STR, {"type": "array", "items": _STR, "maxItems": MAX_KEYS}]}
+    commit = dict(out["CommitOffsetsRequest"])
+    commit_props = dict(commit["properties"])
+    commit_props["offsets"] = {**commit_props["offsets"], "maxItems": max_batch_messages}
+    out["CommitOffsetsRequest"] = {**commit, "properties": commit_props}
     out["MessageIn"] = {**msg, "properties": msg_props}
     req = dict(out["ProduceRequest"])
     req_props = dict(req["properties"])

@@ -39,6 +39,7 @@ def make_node_app(node: Node) -> web.Application:
     app = make_app(node)
     guard = Guard(HttpLimits.of(node.cfg))
     app[GUARD_KEY] = guard
+    app.on_cleanup.append(guard.on_cleanup)
     # edge: before the error and auth middlewares (repeated Authorization,
     # declared size, encoding); strict: innermost, after authentication.
     app.middlewares.insert(0, guard.edge)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import io
 import json
 import re
 import zlib
@@ -18,6 +19,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from dledger.config import NodeConfig
+from http_api.guard import GUARD_KEY
 from tests.http.onenode import serve_one_node
 
 MARK = "ZQXECHO"  # in every malformed part: the answer must not contain it
@@ -191,7 +193,11 @@ async def test_duplicate_authorization_is_400(client: TestClient[Any, Any]) -> N
 
 
 async def _json(c: TestClient[Any, Any], method: str, path: str, body: Any = None) -> Any:
-    r = await c.request(method, path, json=body)
+    if body is None:
+        r = await c.request(method, path)
+    else:
+        data = io.BytesIO(json.dumps(body).encode())  # big bodies: not raw bytes (aiohttp warns)
+        r = await c.request(method, path, data=data, headers={"Content-Type": "application/json"})
     return r.status, await r.json()
 
 
@@ -293,3 +299,37 @@ async def test_the_document_publishes_the_caps_and_metrics_the_loop_lag(
     text = await r.text()
     assert "dledger_loop_lag_max_seconds " in text
     assert "dledger_loop_lag_seconds_bucket" in text  # Node.loop_lag_seconds
+
+
+async def test_bodies_beyond_the_caps_are_refused_off_the_loop(tmp_path: Path) -> None:
+    """A body that may hold more values than the caps allow is parsed and
+    checked in the helper process (http_api/parse_worker.py) first."""
+    async with serve_one_node(_cfg(tmp_path)) as c:
+        assert (await c.post("/v1/topics", json={"name": "t"})).status == 201
+        many = {"messages": [{"value": "AA=="}] * 200_000}
+        st, res = await _json(c, "POST", "/v1/topics/t/messages", many)
+        assert st == 422 and res["error"]["field"] == "messages", res
+        props = {
+            "messages": [{"value": "AA==", "properties": {str(i): "" for i in range(200_000)}}]
+        }
+        st, res = await _json(c, "POST", "/v1/topics/t/messages", props)
+        assert st == 422 and res["error"]["field"] == "messages[0].properties", res
+        st, res = await _json(
+            c, "POST", "/v1/topics/t/messages", {"messages": [{"value": 1}] * 50_000}
+        )
+        assert st == 422 and res["error"]["field"] == "messages", res
+        r = await c.post(
+            "/v1/topics/t/messages",
+            data=io.BytesIO(b'{"messages": [' + b"{}," * 100_000),
+            headers={"Content-Type": "application/json"},
+        )
+        assert r.status == 400 and (await r.json())["error"]["code"] == "BAD_REQUEST"
+        # separators inside strings only loosen the bound: checked, then accepted
+        text = ":,{[" * 250
+        ok = {"messages": [{"value": text, "encoding": "utf-8"}] * 300}
+        st, res = await _json(c, "POST", "/v1/topics/t/messages", ok)
+        assert st == 200 and len(res["messages"]) == 300, res
+        guard = c.server.app[GUARD_KEY]
+        assert guard.worker is not None and guard.worker._proc is not None
+        proc = guard.worker._proc
+    await asyncio.wait_for(proc.wait(), 10)  # the helper goes with the app

@@ -6,7 +6,8 @@ stays under the election timeout (issue #13).
 Kinds: the most messages (max_batch_messages tiny ones), the most
 properties (max_message_properties on as many messages as the body cap
 holds), the largest inflated body (gzip of a body at the cap), a gzip bomb
-(413) and a body that is not gzip (400)."""
+(413), a body that is not gzip (400), and two the caps refuse only after a
+parse (200,000 messages or properties: 422, parsed off the loop)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,19 @@ def worst_requests(cfg: NodeConfig) -> dict[str, tuple[bytes, dict[str, str], in
         "largest_inflated": (gzip.compress(big), gz, 200),
         "gzip_bomb": (bomb, gz, 413),
         "bad_gzip": (most_msgs[:5000], gz, 400),
+        # refused by the caps, but only known after a parse (done off the loop)
+        "200k_messages": (_dump({"messages": [{"value": "AA=="}] * 200_000}), json_h, 422),
+        "200k_properties": (
+            _dump(
+                {
+                    "messages": [
+                        {"value": "AA==", "properties": {str(i): "" for i in range(200_000)}}
+                    ]
+                }
+            ),
+            json_h,
+            422,
+        ),
     }
 
 

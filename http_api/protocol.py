@@ -10,7 +10,9 @@
   of opening (or of the first byte after its previous answer): else it is
   answered 408 (when it sent something) and closed. An idle keep-alive
   connection is closed after the idle timeout. The body timeout is applied
-  where the body is read (:mod:`http_api.guard`).
+  where the body is read (:mod:`http_api.guard`); after an answer to a
+  request whose body was not (all) read, the rest is read and dropped for
+  at most :data:`LINGER_S` seconds, then the connection is closed.
 * Above ``max_connections`` open connections a new one is answered 503 in
   the envelope and closed.
 * Bodies are not inflated by aiohttp (``auto_decompress=False``): the guard
@@ -29,6 +31,8 @@ from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
 from http_api.guard import HttpLimits
+
+LINGER_S = 2.0
 
 _REASONS = {400: "Bad Request", 408: "Request Timeout", 500: "Internal Server Error",
             503: "Service Unavailable", 504: "Gateway Timeout"}  # fmt: skip
@@ -180,6 +184,10 @@ class NodeAppRunner(web.AppRunner):
     def __init__(self, app: web.Application, limits: HttpLimits, **kwargs: Any) -> None:
         kwargs.setdefault("keepalive_timeout", limits.idle_timeout_s)
         kwargs.setdefault("auto_decompress", False)
+        # after answering a request whose body it did not read (a 408, 413,
+        # 401...), aiohttp reads and drops the rest for this long (10 s by
+        # default) before closing
+        kwargs.setdefault("lingering_time", min(LINGER_S, limits.body_timeout_s))
         super().__init__(app, **kwargs)
         self.limits = limits
 

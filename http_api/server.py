@@ -22,6 +22,11 @@ from http_api.protocol import NodeAppRunner
 API_KEY = web.AppKey("broker_api", BrokerApi)
 
 
+# The listen backlog: a burst of connects beyond it waits in SYN_RECV for
+# SYN-ACK retransmits (seconds), unseen by the node's timeouts.
+BACKLOG = 1024
+
+
 def make_state_machine(cfg: NodeConfig) -> StateMachine:
     """What ``cfg.state_machine`` names; the broker keeps the replica records
     ``/raft/applied`` needs (it is a LogStateMachine)."""
@@ -65,3 +70,15 @@ class NodeServer(AdminServer):
         self._runner = NodeAppRunner(
             app, HttpLimits.of(node.cfg), access_log=None, shutdown_timeout=2.0
         )
+
+    async def start(self) -> None:
+        await self._runner.setup()
+        backlog = min(BACKLOG, self.node.cfg.http_max_connections)
+        site = web.TCPSite(
+            self._runner,
+            self.node.cfg.http_host,
+            self.node.cfg.http_port,
+            reuse_address=True,
+            backlog=max(128, backlog),
+        )
+        await site.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -15,14 +16,33 @@ from dledger.config import NodeConfig
 from dledger.node import Node
 from http_api.guard import HttpLimits
 from http_api.protocol import NodeAppRunner
-from http_api.server import make_node_app, make_state_machine
+from http_api.server import BACKLOG, make_node_app, make_state_machine
+
+
+class _WideBacklog(socket.socket):
+    """A listening socket whose backlog is at least the node's (asyncio
+    listens with aiohttp's 128: a burst of connects would wait in SYN_RECV)."""
+
+    backlog = BACKLOG
+
+    def listen(self, backlog: int = 0, /) -> None:
+        super().listen(max(backlog, self.backlog))
+
+
+def _wide_backlog_socket(host: str, port: int, family: socket.AddressFamily) -> socket.socket:
+    s = _WideBacklog(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, port))
+    return s
 
 
 class NodeTestServer(TestServer):
     """aiohttp's TestServer with the node's connection handling
-    (http_api/protocol.py: limits, timeouts, envelope parser errors)."""
+    (http_api/protocol.py: limits, timeouts, envelope parser errors) and
+    listen backlog (http_api/server.py)."""
 
     def __init__(self, app: Any, limits: HttpLimits, **kwargs: Any) -> None:
+        kwargs.setdefault("socket_factory", _wide_backlog_socket)
         super().__init__(app, **kwargs)
         self.limits = limits
 

@@ -32,6 +32,7 @@ from benchmarks import (  # noqa: F401
     bench_cost,
     bench_failover,
     bench_http,
+    bench_looplag,
     bench_read,
 )
 from benchmarks.goals import evaluate

@@ -362,12 +362,36 @@ def encode_produce_rows(
     limits: Limits = DEFAULT_LIMITS,
 ) -> bytes:
     """:func:`encode_produce` of messages given as :data:`MessageRow` tuples."""
+    check_produce(topic, len(rows), producer_id, epoch, base_seq, auto_create_queues, limits)
+    return assemble_produce(
+        topic,
+        len(rows),
+        encode_records(rows, limits),
+        ts_ms,
+        producer_id=producer_id,
+        epoch=epoch,
+        base_seq=base_seq,
+        auto_create_queues=auto_create_queues,
+        limits=limits,
+    )
+
+
+def check_produce(
+    topic: str,
+    count: int,
+    producer_id: int = 0,
+    epoch: int = 0,
+    base_seq: int = -1,
+    auto_create_queues: int = 0,
+    limits: Limits = DEFAULT_LIMITS,
+) -> None:
+    """The batch-level checks of :func:`encode_produce_rows` (before any record)."""
     check_name(topic)
-    if not rows:
+    if not count:
         raise InvalidArgument("a batch needs at least one message", field="messages")
-    if len(rows) > limits.max_batch_messages:
+    if count > limits.max_batch_messages:
         raise InvalidArgument(
-            f"{len(rows)} messages, at most {limits.max_batch_messages} per batch",
+            f"{count} messages, at most {limits.max_batch_messages} per batch",
             field="messages",
         )
     if not 0 <= auto_create_queues <= MAX_QUEUES:
@@ -380,16 +404,21 @@ def encode_produce_rows(
         raise InvalidArgument("sequence must be >= 0", field="sequence")
     if base_seq >= 0 and producer_id == 0:
         raise InvalidArgument("a sequence needs a producer_id", field="producer_id")
-    parts = [
-        _s8(topic, "topic"),
-        _PRODUCE_FIXED.pack(auto_create_queues, producer_id, epoch, base_seq, len(rows)),
-    ]
+
+
+def encode_records(
+    rows: Sequence[MessageRow], limits: Limits = DEFAULT_LIMITS, first: int = 0
+) -> list[bytes]:
+    """The records of ``rows`` (message indexes from ``first`` in errors), as
+    parts to join: a caller may encode a big batch in slices (the HTTP layer
+    yields to the event loop between them) and :func:`assemble_produce` them."""
+    parts: list[bytes] = []
     add = parts.append
     head = _PLAIN_HEAD.pack
     tail = _PLAIN_TAIL.pack
     crc32 = zlib.crc32
     max_body = limits.max_message_bytes
-    for k, row in enumerate(rows):
+    for k, row in enumerate(rows, first):
         body, tag, keys, props, queue, shard, born = row
         if (
             queue is None
@@ -407,7 +436,29 @@ def encode_produce_rows(
             add(body)
         else:
             add(_encode_row(row, limits, k))
-    body_bytes = b"".join(parts)
+    return parts
+
+
+def assemble_produce(
+    topic: str,
+    count: int,
+    record_parts: list[bytes],
+    ts_ms: int,
+    *,
+    producer_id: int = 0,
+    epoch: int = 0,
+    base_seq: int = -1,
+    auto_create_queues: int = 0,
+    limits: Limits = DEFAULT_LIMITS,
+) -> bytes:
+    """The PRODUCE command of ``count`` records already encoded by
+    :func:`encode_records` (after :func:`check_produce`)."""
+    head = _s8(topic, "topic") + _PRODUCE_FIXED.pack(
+        auto_create_queues, producer_id, epoch, base_seq, count
+    )
+    record_parts.insert(0, head)
+    body_bytes = b"".join(record_parts)
+    del record_parts[0]
     if len(body_bytes) + HEADER_SIZE > limits.max_batch_bytes:
         raise MessageTooLarge(
             f"batch of {len(body_bytes) + HEADER_SIZE} bytes exceeds {limits.max_batch_bytes}",

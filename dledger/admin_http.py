@@ -343,7 +343,7 @@ def make_app(node: Node) -> web.Application:
     if node.cfg.auth is not None:
         middlewares.append(auth_middleware(node.cfg.auth))  # inside _errors: errors enveloped
     app = web.Application(
-        middlewares=middlewares, client_max_size=node.cfg.max_entry_bytes + (64 << 10)
+        middlewares=middlewares, client_max_size=node.cfg.http_body_cap_bytes
     )
     app[NODE_KEY] = node
     app[ROUTE_ROLES] = dict(ADMIN_ROUTE_ROLES)

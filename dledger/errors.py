@@ -53,6 +53,17 @@ class StorageCorrupted(DLedgerError):
         super().__init__(message)
 
 
+class ReplicaDiverged(StorageCorrupted):
+    """This replica's committed log disagrees with the leader's: it holds an
+    entry at or below its commit index that the leader's log does not. Raft
+    never lets that happen while every acknowledged write is durable; it can
+    after a power loss of a majority in ``flush = "async"`` mode. The node
+    stops (exit 2, as for corruption) and must be rebuilt from the leader
+    rather than serve a history the leader does not have."""
+
+    code = "REPLICA_DIVERGED"
+
+
 class CodecError(DLedgerError):
     """Bytes that do not decode: wrong magic, version, length or CRC."""
 

@@ -80,7 +80,7 @@ from typing import Any, Literal
 
 from dledger.config import NodeConfig
 from dledger.core.codec import decode_message, encode_message
-from dledger.core.raft import RawNode
+from dledger.core.raft import FAULT_LEASE_STALE_CLOCK, RawNode
 from dledger.core.types import (
     EARLY_SEND_TYPES,
     NONE,
@@ -128,7 +128,6 @@ _OPS_PER_PASS = 1024
 # RaftConfig.faults / NodeConfig.faults, never in production): a lease read is
 # decided against the tick count of the pass's start, and a stalled pass does
 # not suspend the lease.
-FAULT_LEASE_STALE_CLOCK = "lease_stale_clock"
 NODE_FAULTS = frozenset({FAULT_LEASE_STALE_CLOCK})
 
 
@@ -300,10 +299,13 @@ class Node:
         # waited that long.
         self.loop_lag_seconds = Histogram()
         self._last_catch_up_s = 0.0
-        # A stall between two tick catch-ups longer than this drops the lease
-        # (r.suspend_lease): half the drift allowance; the other half covers
-        # clock-rate drift between nodes.
-        self._lease_margin_s = cfg.lease_drift_ticks * cfg.tick_ms / 1000 / 2
+        self._planned_wake_s = 0.0  # when the loop last meant to wake up
+        # A stall between two tick catch-ups longer than the lease's safety
+        # margin (RaftConfig.lease_margin_ticks: what is left of the
+        # stickiness window after the lease and clock drift) drops the lease
+        # (r.suspend_lease): a heartbeat round made before the stall may have
+        # left only after it.
+        self._lease_margin_s = cfg.raft_config().lease_margin_ticks() * cfg.tick_ms / 1000
         self._pass_msgs = self._pass_ops = self._pass_persisted = self._pass_applied = 0
 
     # ======================================================================
@@ -765,7 +767,7 @@ class Node:
             while not self._stopping:
                 await self._wait_for_work()
                 start = self._clock()
-                due = self._t0 + (self._ticks + 1) * self.cfg.tick_ms / 1000
+                due = self._due_s()
                 self._pass_msgs = self._pass_ops = self._pass_persisted = self._pass_applied = 0
                 self._catch_up_ticks(r)
                 self._step_inputs(r)
@@ -833,7 +835,11 @@ class Node:
         if self._inbox or self._ops or self._stopping:
             return
         loop = asyncio.get_running_loop()
-        due = self._t0 + (self._ticks + 1) * self.cfg.tick_ms / 1000
+        due = self._due_s()
+        if self.cfg.flush == "async":
+            # the interval fsync runs between passes: never sleep through it
+            due = min(due, self._last_flush_s + self.cfg.flush_interval_ms / 1000)
+        self._planned_wake_s = due
         delay = due - self._clock()
         if delay <= 0:
             return
@@ -844,9 +850,19 @@ class Node:
         finally:
             handle.cancel()
 
+    def _due_s(self) -> float:
+        """When the next tick that can change anything is due: an idle node
+        sleeps until then (RawNode.ticks_until_due) instead of waking every
+        tick, and ticks the ticks it slept through at once."""
+        r = self._raft
+        k = r.ticks_until_due() if r is not None else 1
+        return self._t0 + (self._ticks + k) * self.cfg.tick_ms / 1000
+
     def _catch_up_ticks(self, r: RawNode) -> None:
         now = self._clock()
-        stall = now - self._last_catch_up_s - self.cfg.tick_ms / 1000
+        # How long the ticks stood still beyond what the loop chose to sleep.
+        expected = max(self._last_catch_up_s + self.cfg.tick_ms / 1000, self._planned_wake_s)
+        stall = now - expected
         self._last_catch_up_s = now
         if stall > self._lease_margin_s and FAULT_LEASE_STALE_CLOCK not in self._faults:
             # Ticks (so heartbeats and lease expiry) stood still for longer

@@ -47,7 +47,12 @@ from aiohttp import web
 
 from broker_adapter import codec
 from broker_adapter.codec import CommandKind, Limits, MessageRow, ResetMode
-from broker_adapter.errors import BrokerError, InvalidArgument
+from broker_adapter.errors import (
+    BrokerError,
+    InvalidArgument,
+    InvalidTopicName,
+    TooManyProperties,
+)
 from broker_adapter.node_sm import BrokerStateMachine
 from broker_adapter.state import (
     OffsetsResult,
@@ -68,7 +73,9 @@ from dledger.http_auth import RouteRole
 from dledger.metrics import Histogram, labels_text, render_histogram
 from dledger.node import Node, OutcomeUnknown
 from http_api.errors import LeaderNotReady, envelope, error_response, json_response
+from http_api.guard import GUARD_KEY, JSON_BODY
 from http_api.openapi import openapi_document
+from http_api.schema import YIELD_EVERY
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +126,8 @@ class BrokerApi:
         self.limits = limits or Limits(
             max_batch_bytes=node.cfg.max_entry_bytes,
             max_message_bytes=min(1 << 20, node.cfg.max_entry_bytes - 4096),
+            max_batch_messages=node.cfg.max_batch_messages,
+            max_properties=node.cfg.max_message_properties,
         )
         self._applied = asyncio.Event()
         self._waiters = 0
@@ -227,6 +236,9 @@ class BrokerApi:
         return envelope(503, exc.code, "no leader is known; retry later", leader=None)
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
+        checked = request.get(JSON_BODY)
+        if isinstance(checked, dict):  # read, parsed and checked by http_api.guard
+            return checked
         raw = await request.read()  # bounded by the app's client_max_size (413)
         if not raw:
             return {}
@@ -271,6 +283,8 @@ class BrokerApi:
     async def create_topic(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         name = codec.check_name(body.get("name"))
+        if name in (".", ".."):  # a URL path cannot address them
+            raise InvalidTopicName(f"topic name {name!r} cannot be addressed in a URL", "name")
         queues = codec.check_queue_count(body.get("queues", 8))
         data = codec.encode_topic(CommandKind.CREATE_TOPIC, name, self._now_ms(), queues)
         res = await self._propose(request, data)
@@ -305,7 +319,9 @@ class BrokerApi:
     async def produce(self, request: web.Request) -> web.Response:
         topic = codec.check_name(request.match_info["topic"])
         body = await self._body(request)
-        msgs = parse_messages(body.get("messages"))
+        msgs = await parse_messages_stepwise(
+            body.get("messages"), self.limits, self.node.cfg.max_batch_properties
+        )
         pid = _opt_int(body, "producer_id", 0, 1 << 64)
         epoch = _opt_int(body, "epoch", 0, 1 << 32)
         seq = _opt_int(body, "sequence", 0, 1 << 62)
@@ -318,7 +334,7 @@ class BrokerApi:
         auto = self.auto_create_queues
         if not auto and not self.sm.broker.has_topic(topic):
             self.sm.broker.topic(topic)  # raises UnknownTopic, before proposing
-        data = codec.encode_produce_rows(
+        data = await encode_produce_stepwise(
             topic,
             msgs,
             self._now_ms(),
@@ -555,6 +571,18 @@ class BrokerApi:
             "counter",
         )
         one("dledger_fsyncs_total", counters.get("syncs", 0), "group commits synced", "counter")
+        one(
+            "dledger_loop_lag_max_seconds",
+            float(counters.get("loop_lag_ms_max", 0.0)) / 1000,
+            "the longest event-loop lag this node measured (Raft shares the loop with HTTP)",
+        )
+        loop_lag = getattr(node, "loop_lag_seconds", None)
+        if isinstance(loop_lag, Histogram):
+            lines += render_histogram(
+                "dledger_loop_lag_seconds",
+                "event-loop lag of this node (Raft ticks wait this long behind other work)",
+                [((), loop_lag)],
+            )
         fsync = node.fsync_seconds
         if fsync is not None:
             lines += render_histogram(
@@ -582,11 +610,14 @@ class BrokerApi:
 
     async def openapi(self, request: web.Request) -> web.Response:
         auth = self.node.cfg.auth
+        guard = request.app.get(GUARD_KEY)
         doc = openapi_document(
             request.app,
             {k: str(v) for k, v in request.app[APP_ROUTE_ROLES].items()},
             auth_on=auth is not None,
             public=auth.public if auth is not None else DEFAULT_PUBLIC_PATHS,
+            schemas=guard.components if guard is not None else None,
+            limits=guard.published_limits(self.node.cfg) if guard is not None else None,
         )
         return json_response(doc)
 
@@ -635,7 +666,79 @@ def _str_field(m: dict[str, Any], name: str, where: str) -> str:
     return v
 
 
-def parse_messages(raw_msgs: object) -> list[MessageRow]:
+async def parse_messages_stepwise(
+    raw_msgs: object,
+    limits: Limits,
+    max_batch_properties: int | None = None,
+    step: int = YIELD_EVERY,
+) -> list[MessageRow]:
+    """:func:`parse_messages` in slices of ``step`` messages with a yield to
+    the event loop between them (the loop also runs Raft). The batch and
+    property caps are checked before any message is parsed."""
+    if not isinstance(raw_msgs, list) or not raw_msgs:
+        raise InvalidArgument("messages must be a non-empty list", field="messages")
+    if len(raw_msgs) > limits.max_batch_messages:
+        raise InvalidArgument(
+            f"{len(raw_msgs)} messages, at most {limits.max_batch_messages} per batch",
+            field="messages",
+        )
+    if max_batch_properties is not None:
+        total = 0
+        for m in raw_msgs:
+            if type(m) is dict:
+                props = m.get("properties")
+                if type(props) is dict:
+                    total += len(props)
+        if total > max_batch_properties:
+            raise TooManyProperties(
+                f"{total} properties in this batch, at most {max_batch_properties} "
+                "(max_batch_properties)",
+                "messages",
+            )
+    if len(raw_msgs) <= step:
+        return parse_messages(raw_msgs)
+    out: list[MessageRow] = []
+    now = int(time.time() * 1000)
+    for start in range(0, len(raw_msgs), step):
+        out += parse_messages(raw_msgs[start : start + step], now, start)
+        await asyncio.sleep(0)
+    return out
+
+
+async def encode_produce_stepwise(
+    topic: str,
+    rows: list[MessageRow],
+    ts_ms: int,
+    *,
+    producer_id: int,
+    epoch: int,
+    base_seq: int,
+    auto_create_queues: int,
+    limits: Limits,
+    step: int = YIELD_EVERY,
+) -> bytes:
+    """:func:`codec.encode_produce_rows`, its records encoded in slices of
+    ``step`` with a yield to the event loop between them (the same bytes)."""
+    codec.check_produce(topic, len(rows), producer_id, epoch, base_seq, auto_create_queues, limits)
+    parts: list[bytes] = []
+    for start in range(0, len(rows), step):
+        parts += codec.encode_records(rows[start : start + step], limits, start)
+        if start + step < len(rows):
+            await asyncio.sleep(0)
+    return codec.assemble_produce(
+        topic,
+        len(rows),
+        parts,
+        ts_ms,
+        producer_id=producer_id,
+        epoch=epoch,
+        base_seq=base_seq,
+        auto_create_queues=auto_create_queues,
+        limits=limits,
+    )
+
+
+def parse_messages(raw_msgs: object, now: int | None = None, first: int = 0) -> list[MessageRow]:
     """The ``messages`` of a produce request, as the encoder's rows; raises
     InvalidArgument naming the first field at fault.
 
@@ -646,7 +749,8 @@ def parse_messages(raw_msgs: object) -> list[MessageRow]:
     A message without ``born_ts_ms`` is born at the request's arrival."""
     if not isinstance(raw_msgs, list) or not raw_msgs:
         raise InvalidArgument("messages must be a non-empty list", field="messages")
-    now = int(time.time() * 1000)
+    if now is None:
+        now = int(time.time() * 1000)
     out: list[MessageRow] = []
     add = out.append
     a2b = binascii.a2b_base64
@@ -667,7 +771,7 @@ def parse_messages(raw_msgs: object) -> list[MessageRow]:
                     else:
                         add((body, "", (), (), None, None, now))
                         continue
-        add(_parse_message(m, k, now))
+        add(_parse_message(m, first + k, now))
     return out
 
 

@@ -35,9 +35,45 @@ class LeaderNotReady(DLedgerError):
     code = "LEADER_NOT_READY"
 
 
+class PayloadTooLarge(DLedgerError):
+    """The request body (or what it inflates to) is above the node's cap (413)."""
+
+    code = "PAYLOAD_TOO_LARGE"
+
+
+class UnsupportedEncoding(DLedgerError):
+    """A Content-Encoding the node does not decode (415)."""
+
+    code = "UNSUPPORTED_CONTENT_ENCODING"
+
+
+class BadEncoding(DLedgerError):
+    """A body that does not decode as its Content-Encoding says (400)."""
+
+    code = "BAD_CONTENT_ENCODING"
+
+
+class BadBody(DLedgerError):
+    """A body that is not JSON, or a malformed header such as a repeated
+    Authorization (400)."""
+
+    code = "BAD_REQUEST"
+
+
+class BodyTimeout(DLedgerError):
+    """The body did not arrive within the node's body timeout (408)."""
+
+    code = "REQUEST_TIMEOUT"
+
+
 # First match wins: subclasses before their bases. The broker's errors come
 # first; the node's errors are the operator API's table, shared, not copied.
 STATUS: tuple[tuple[type[BaseException], int], ...] = (
+    (PayloadTooLarge, 413),
+    (UnsupportedEncoding, 415),
+    (BadEncoding, 400),
+    (BadBody, 400),
+    (BodyTimeout, 408),
     (MessageTooLarge, 413),
     (OffsetOutOfRange, 416),
     (UnknownTopic, 404),

@@ -19,9 +19,10 @@ from typing import Any
 
 from aiohttp import web
 
-from broker_adapter.codec import MAX_QUEUES, NAME_MAX_LEN
+from broker_adapter.codec import DEFAULT_LIMITS, MAX_QUEUES, NAME_MAX_LEN
 
 _PARAM = re.compile(r"{(\w+)}")
+MAX_KEYS = DEFAULT_LIMITS.max_keys  # keys (and tags) of one message
 U62 = (1 << 62) - 1
 
 
@@ -55,10 +56,13 @@ _NAME: dict[str, Any] = {
     "maxLength": NAME_MAX_LEN,
     "pattern": "^[A-Za-z0-9_.%|-]+$",
 }
+# A new topic's name: also not "." or ".." (a URL cannot address those).
+_NEW_NAME: dict[str, Any] = {**_NAME, "pattern": r"^(?!\.\.?$)[A-Za-z0-9_.%|-]+$"}
 _STR_OR_NULL: dict[str, Any] = {"type": ["string", "null"]}
 _INT_OR_NULL: dict[str, Any] = {"type": ["integer", "null"]}
 
 SCHEMAS: dict[str, dict[str, Any]] = {
+    "Name": _NAME,
     # -- errors -------------------------------------------------------------
     "Error": _obj(
         ["error"],
@@ -175,7 +179,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "Producer": _obj(["producer_id", "epoch"], {"producer_id": _int(1), "epoch": _int(0)}),
     # -- topics -------------------------------------------------------------
     "CreateTopicRequest": _obj(
-        ["name"], {"name": _NAME, "queues": {**_int(1, MAX_QUEUES), "default": 8}}
+        ["name"], {"name": _NEW_NAME, "queues": {**_int(1, MAX_QUEUES), "default": 8}}
     ),
     "UpdateTopicRequest": _obj(["queues"], {"queues": _int(1, MAX_QUEUES)}),
     "QueueInfo": _obj(
@@ -345,7 +349,11 @@ _Q_CONSISTENCY: dict[str, Any] = {
 _Q_TIMEOUT = _int(1, 600_000)
 
 # Error statuses: where each can come from.
-_ALWAYS = (401, 403, 429, 503)  # auth (when on), overload, stopped/no leader
+# auth (when on), overload, stopped/no leader, and what the HTTP edge refuses
+# on any route: a malformed request or body encoding (400), a body that is
+# late (408), too large (413) or in an unsupported Content-Encoding (415).
+_EDGE = (400, 408, 413, 415)
+_ALWAYS = (401, 403, 429, 503, *_EDGE)
 _BODY = (400, 413, 422)  # routes that read a JSON body
 _WRITE = (307, 409, 504)  # through the log on the leader: redirect, conflict, unknown outcome
 _READ = (307, 422, 504)  # consistency=linearizable may redirect or time out
@@ -361,6 +369,7 @@ class Op:
     content: str = "application/json"
     path_schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
     extra: dict[int, str] = field(default_factory=dict)  # other non-error answers
+    required: tuple[str, ...] = ()  # query parameters that must be given
 
 
 OPERATIONS: dict[tuple[str, str], Op] = {
@@ -466,7 +475,7 @@ OPERATIONS: dict[tuple[str, str], Op] = {
     ),
     ("POST", "/raft/transfer"): Op(
         "Transfer leadership", (200, "Transfer"), {"to": _int(1), "timeout_ms": _Q_TIMEOUT},
-        None, (400, 422, 307, 409, 504),
+        None, (400, 422, 307, 409, 504), required=("to",),
     ),
     ("POST", "/raft/members"): Op(
         "Change membership", (200, "Membership"), {"timeout_ms": _Q_TIMEOUT},
@@ -499,7 +508,8 @@ def _operation(
         }
         return out
     params += [
-        {"name": n, "in": "query", "required": False, "schema": s} for n, s in op.query.items()
+        {"name": n, "in": "query", "required": n in op.required, "schema": s}
+        for n, s in op.query.items()
     ]
     status, ok_schema = op.ok
     if op.content == "application/json":
@@ -517,9 +527,10 @@ def _operation(
             "description": "see schema",
             "content": {"application/json": {"schema": _ref(name)}},
         }
-    errors = set(op.errors) | set(_ALWAYS if role != "public" else (429, 503))
+    errors = set(op.errors) | set(_ALWAYS if role != "public" else (429, 503, *_EDGE))
     if _PARAM.search(path):
         errors.add(404)  # unknown topic or group, or a path value that matches no route
+    errors.add(422)  # an unknown query parameter, or a value its schema refuses
     for st in sorted(errors):
         if str(st) in responses:
             continue
@@ -551,7 +562,8 @@ def _operation(
             out["security"] = [] if role == "public" else [{"bearer": []}]
     if op.body is not None:
         out["requestBody"] = {
-            "required": op.body != "",
+            # an empty body stands for {}: required when the schema requires a field
+            "required": op.body != "" and bool(SCHEMAS[op.body].get("required")),
             "content": (
                 {"application/json": {"schema": _ref(op.body)}}
                 if op.body
@@ -567,7 +579,9 @@ _ERROR_TEXT = {
     403: "The token lacks the route's role (auth on)",
     404: "Unknown topic or group, or no such route",
     409: "Conflict: exists, sequence gap, fenced producer, proposal dropped",
-    413: "Body or message too large",
+    408: "The body did not arrive within the node's body timeout",
+    413: "Body (as sent or inflated), message or batch too large",
+    415: "Unsupported Content-Encoding",
     416: "Offset out of range; the valid range is in the body",
     422: "A field is invalid; field names it",
     429: "Overloaded; retry after Retry-After",
@@ -581,14 +595,42 @@ def _operation_id(method: str, path: str) -> str:
     return method.lower() + "_" + re.sub(r"[^A-Za-z0-9]+", "_", words)
 
 
+def request_schemas(
+    max_batch_messages: int = 10_000, max_message_properties: int = 64
+) -> dict[str, dict[str, Any]]:
+    """:data:`SCHEMAS` with the node's caps filled in (maxItems of a
+    produce's messages and of a commit's offsets, maxProperties of a
+    message's properties, maxItems of its keys and tags)."""
+    out = dict(SCHEMAS)
+    msg = dict(out["MessageIn"])
+    msg_props = dict(msg["properties"])
+    msg_props["properties"] = {**msg_props["properties"], "maxProperties": max_message_properties}
+    msg_props["keys"] = {**msg_props["keys"], "maxItems": MAX_KEYS}
+    msg_props["tags"] = {"oneOf": [_STR, {"type": "array", "items": _STR, "maxItems": MAX_KEYS}]}
+    commit = dict(out["CommitOffsetsRequest"])
+    commit_props = dict(commit["properties"])
+    commit_props["offsets"] = {**commit_props["offsets"], "maxItems": max_batch_messages}
+    out["CommitOffsetsRequest"] = {**commit, "properties": commit_props}
+    out["MessageIn"] = {**msg, "properties": msg_props}
+    req = dict(out["ProduceRequest"])
+    req_props = dict(req["properties"])
+    req_props["messages"] = {**req_props["messages"], "maxItems": max_batch_messages}
+    out["ProduceRequest"] = {**req, "properties": req_props}
+    return out
+
+
 def openapi_document(
     app: web.Application,
     roles: dict[tuple[str, str], str] | None = None,
     auth_on: bool = False,
     public: tuple[str, ...] = (),
+    schemas: dict[str, dict[str, Any]] | None = None,
+    limits: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The document of ``app``'s routes; ``roles`` (the auth table) adds
-    each operation's ``x-required-role`` and, with ``auth_on``, its security."""
+    each operation's ``x-required-role`` and, with ``auth_on``, its security.
+    ``schemas``: :func:`request_schemas` with the node's caps; ``limits``:
+    the node's HTTP caps and timeouts, published as ``info.x-limits``."""
     paths: dict[str, dict[str, Any]] = {}
     for route in app.router.routes():
         method = route.method.upper()
@@ -611,10 +653,11 @@ def openapi_document(
             "version": "0.1.0",
             "description": "A RocketMQ-style CommitLog replicated by Raft: produce, consume, "
             "consumer groups, topic and cluster admin. Errors share one envelope.",
+            **({"x-limits": limits} if limits is not None else {}),
         },
         "paths": dict(sorted(paths.items())),
         "components": {
-            "schemas": SCHEMAS,
+            "schemas": schemas if schemas is not None else SCHEMAS,
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }

@@ -16,8 +16,15 @@ from dledger.node import Node
 from dledger.statemachine import LogStateMachine, StateMachine
 from http_api.app import ROUTE_ROLES as API_ROUTE_ROLES
 from http_api.app import BrokerApi
+from http_api.guard import GUARD_KEY, Guard, HttpLimits
+from http_api.protocol import NodeAppRunner
 
 API_KEY = web.AppKey("broker_api", BrokerApi)
+
+
+# The listen backlog: a burst of connects beyond it waits in SYN_RECV for
+# SYN-ACK retransmits (seconds), unseen by the node's timeouts.
+BACKLOG = 1024
 
 
 def make_state_machine(cfg: NodeConfig) -> StateMachine:
@@ -32,7 +39,16 @@ def make_state_machine(cfg: NodeConfig) -> StateMachine:
 
 
 def make_node_app(node: Node) -> web.Application:
+    """The node's application; every route passes the HTTP guard
+    (:mod:`http_api.guard`): caps, strict parameters and bodies."""
     app = make_app(node)
+    guard = Guard(HttpLimits.of(node.cfg))
+    app[GUARD_KEY] = guard
+    app.on_cleanup.append(guard.on_cleanup)
+    # edge: before the error and auth middlewares (repeated Authorization,
+    # declared size, encoding); strict: innermost, after authentication.
+    app.middlewares.insert(0, guard.edge)
+    app.middlewares.append(guard.strict)
     sm = node.state_machine
     if isinstance(sm, BrokerStateMachine):
         api = BrokerApi(node, sm, node.cfg.auto_create_topic_queues)
@@ -47,4 +63,22 @@ class NodeServer(AdminServer):
     """Serves :func:`make_node_app` (operator routes plus /v1) on the node's http address."""
 
     def __init__(self, node: Node) -> None:
-        super().__init__(node, make_node_app(node))
+        app = make_node_app(node)
+        super().__init__(node, app)
+        # the node's connection limits (timeouts, connection cap, envelope
+        # answers of the HTTP parser): http_api/protocol.py
+        self._runner = NodeAppRunner(
+            app, HttpLimits.of(node.cfg), access_log=None, shutdown_timeout=2.0
+        )
+
+    async def start(self) -> None:
+        await self._runner.setup()
+        backlog = min(BACKLOG, self.node.cfg.http_max_connections)
+        site = web.TCPSite(
+            self._runner,
+            self.node.cfg.http_host,
+            self.node.cfg.http_port,
+            reuse_address=True,
+            backlog=max(128, backlog),
+        )
+        await site.start()

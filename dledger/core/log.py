@@ -112,6 +112,23 @@ class RaftLog:
         except Compacted:
             return False
 
+    def find_conflict_by_term(self, index: int, term: int) -> tuple[int, int]:
+        """The largest ``i <= index`` whose term is at most ``term``, with its
+        term (etcd's ``findConflictByTerm``). A log repair step uses it to skip
+        every entry of a term the other side cannot hold at once, instead of
+        one entry per round trip. Stops at the compacted front (its term is
+        known) and returns ``(0, 0)`` only for an empty prefix."""
+        i = min(index, self.last_index())
+        while i > 0:
+            try:
+                t = self.term(i)
+            except Compacted:
+                return i, 0  # unknown: the caller probes from here
+            if t <= term:
+                return i, t
+            i -= 1
+        return 0, 0
+
     def is_up_to_date(self, last_index: int, last_term: int) -> bool:
         """Raft section 5.4.1: is a candidate's log at least as up to date as ours?"""
         my_term = self.last_term()

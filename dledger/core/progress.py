@@ -7,7 +7,9 @@ A follower is in one of two states:
   a rejection moves ``next`` back (using the follower's hint).
 * REPLICATE: the follower matched recently; stream entries optimistically,
   advancing ``next`` as we send, with at most ``max_inflight`` unacknowledged
-  messages in flight (pipelining with a bounded window).
+  messages and ``max_inflight_bytes`` of entries in flight (pipelining with a
+  bounded window; the byte bound keeps the leader's work per acknowledgement
+  small when a far-behind follower is caught up with large messages).
 * SNAPSHOT: the follower needs entries we compacted; a snapshot at
   ``pending_snapshot`` was sent. Nothing else is sent until a reply shows it
   matched (then REPLICATE) or the transfer is given up (then PROBE, which
@@ -32,9 +34,11 @@ class ProgressState(enum.IntEnum):
 class Progress:
     __slots__ = (
         "inflight",
+        "inflight_bytes",
         "is_learner",
         "match",
         "max_inflight",
+        "max_inflight_bytes",
         "next",
         "pending_snapshot",
         "probe_sent",
@@ -43,13 +47,21 @@ class Progress:
         "state",
     )
 
-    def __init__(self, next_index: int, max_inflight: int, is_learner: bool) -> None:
+    def __init__(
+        self,
+        next_index: int,
+        max_inflight: int,
+        is_learner: bool,
+        max_inflight_bytes: int = 0,
+    ) -> None:
         self.match = 0
         self.next = next_index
         self.state = ProgressState.PROBE
         self.probe_sent = False
-        self.inflight: deque[int] = deque()
+        self.inflight: deque[tuple[int, int]] = deque()  # (last index, bytes)
+        self.inflight_bytes = 0
         self.max_inflight = max_inflight
+        self.max_inflight_bytes = max_inflight_bytes  # 0: no byte bound
         self.recent_active = False
         self.is_learner = is_learner
         self.pending_snapshot = 0
@@ -61,24 +73,28 @@ class Progress:
             f"inflight={len(self.inflight)}, learner={self.is_learner})"
         )
 
+    def _clear_inflight(self) -> None:
+        self.inflight.clear()
+        self.inflight_bytes = 0
+
     def become_probe(self) -> None:
         self.state = ProgressState.PROBE
         self.next = self.match + 1
         self.probe_sent = False
-        self.inflight.clear()
+        self._clear_inflight()
 
     def become_snapshot(self, index: int, tick: int) -> None:
         self.state = ProgressState.SNAPSHOT
         self.pending_snapshot = index
         self.snapshot_sent_tick = tick
         self.probe_sent = False
-        self.inflight.clear()
+        self._clear_inflight()
 
     def become_replicate(self) -> None:
         self.state = ProgressState.REPLICATE
         self.next = self.match + 1
         self.probe_sent = False
-        self.inflight.clear()
+        self._clear_inflight()
 
     def maybe_update(self, index: int) -> bool:
         """A success reply acknowledging ``index``. True if match advanced."""
@@ -114,21 +130,25 @@ class Progress:
             return self.probe_sent
         if self.state is ProgressState.SNAPSHOT:
             return True
-        return len(self.inflight) >= self.max_inflight
+        if len(self.inflight) >= self.max_inflight:
+            return True
+        return 0 < self.max_inflight_bytes <= self.inflight_bytes
 
-    def sent_entries(self, last_index: int | None) -> None:
-        """Record an AppendEntries sent; ``last_index`` is its last entry, if any."""
+    def sent_entries(self, last_index: int | None, nbytes: int = 0) -> None:
+        """Record an AppendEntries sent; ``last_index`` is its last entry, if
+        any, and ``nbytes`` the size of its entries."""
         if self.state is ProgressState.REPLICATE:
             if last_index is not None:
                 self.next = last_index + 1
-                self.inflight.append(last_index)
+                self.inflight.append((last_index, nbytes))
+                self.inflight_bytes += nbytes
         else:
             self.probe_sent = True
 
     def free_inflight_to(self, index: int) -> None:
-        while self.inflight and self.inflight[0] <= index:
-            self.inflight.popleft()
+        while self.inflight and self.inflight[0][0] <= index:
+            self.inflight_bytes -= self.inflight.popleft()[1]
 
     def free_first_inflight(self) -> None:
         if self.inflight:
-            self.inflight.popleft()
+            self.inflight_bytes -= self.inflight.popleft()[1]

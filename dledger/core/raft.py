@@ -60,6 +60,7 @@ from dledger.core.codec import decode_conf_change, encode_conf_change
 from dledger.core.log import RaftLog
 from dledger.core.progress import Progress, ProgressState
 from dledger.core.types import (
+    EARLY_SEND_TYPES,
     NONE,
     ClusterConfig,
     Compaction,
@@ -86,6 +87,7 @@ from dledger.errors import (
     InvariantViolation,
     NotLeader,
     ProposalDropped,
+    ReplicaDiverged,
     TransferInProgress,
 )
 from dledger.storage.base import LogStorage, StableStore
@@ -102,12 +104,18 @@ FAULT_LEASE_IGNORES_EXPIRY = "lease_ignores_expiry"  # serve reads under an expi
 FAULT_TRUNCATE_WITHOUT_CONFLICT = "truncate_without_conflict"  # SCENARIOS 6
 FAULT_INSTALL_STALE_SNAPSHOT = "install_stale_snapshot"  # SCENARIOS 9: roll back to it
 FAULT_FOLLOWER_COMMITS_AHEAD = "follower_commits_ahead"  # SCENARIOS 16 (dledger/faults.py)
-# issue #12 bug 1: campaign / honour TimeoutNow with a committed conf change unapplied
-FAULT_CAMPAIGN_UNAPPLIED_CONF = "campaign_unapplied_conf"
-# issue #12 bug 2: a node that believes it is a learner ignores (pre-)vote requests
-FAULT_LEARNER_IGNORES_VOTES = "learner_ignores_votes"
+FAULT_CAMPAIGN_UNAPPLIED_CONF = "campaign_unapplied_conf"  # campaign with a conf change unapplied
+FAULT_LEARNER_IGNORES_VOTES = "learner_ignores_votes"  # a not-yet-promoted learner never votes
+FAULT_HEARTBEAT_COMMIT_UNCHECKED = "heartbeat_commit_unchecked"  # commit what we hold, unconfirmed
+FAULT_LEASE_STALE_CLOCK = "lease_stale_clock"  # node.py: lease decided on the pass's old ticks
+FAULT_ACK_BELOW_COMMIT = "ack_below_commit"  # answer appends below commit with it, unchecked
 CORE_FAULTS = frozenset(
     {
+        FAULT_ACK_BELOW_COMMIT,
+        FAULT_CAMPAIGN_UNAPPLIED_CONF,
+        FAULT_LEARNER_IGNORES_VOTES,
+        FAULT_HEARTBEAT_COMMIT_UNCHECKED,
+        FAULT_LEASE_STALE_CLOCK,
         FAULT_COMMIT_OLD_TERM,
         FAULT_SKIP_VOTE_PERSIST,
         FAULT_VOTE_DESPITE_LEADER,
@@ -115,8 +123,6 @@ CORE_FAULTS = frozenset(
         FAULT_TRUNCATE_WITHOUT_CONFLICT,
         FAULT_INSTALL_STALE_SNAPSHOT,
         FAULT_FOLLOWER_COMMITS_AHEAD,
-        FAULT_CAMPAIGN_UNAPPLIED_CONF,
-        FAULT_LEARNER_IGNORES_VOTES,
     }
 )
 
@@ -214,6 +220,7 @@ class RawNode:
         self._acked_round: dict[int, int] = {}
         self._lease_expiry_tick = -1
         self._lease_disabled = False
+        self._lease_min_round = 0  # rounds before it cannot give a lease
         self._need_read_round = False
         self._pending_reads: list[tuple[int, int, int]] = []  # (ctx, round, index)
         self._reads_before_commit: list[int] = []  # ctx waiting for the no-op
@@ -230,6 +237,24 @@ class RawNode:
             self._tick_leader()
         else:
             self._tick_election()
+
+    def ticks_until_due(self) -> int:
+        """How many ticks from now the next tick can change anything (a
+        heartbeat, a check-quorum round, an election timeout): a driver with
+        nothing else to do may sleep that long and then tick the missed ticks
+        at once, which has the same effect as ticking each one. Inputs (a
+        message, a proposal) change it; ask again after each."""
+        if self.role is Role.LEADER:
+            return max(
+                1,
+                min(
+                    self.cfg.heartbeat_ticks - self._heartbeat_elapsed,
+                    self.cfg.election_ticks - self._election_elapsed,
+                ),
+            )
+        if not self._promotable():
+            return max(1, self.cfg.election_ticks)  # a learner never campaigns
+        return max(1, self._randomized_timeout - self._election_elapsed)
 
     def step(self, m: Message) -> None:
         """Feed one message from a peer. Term rules are applied here, once."""
@@ -368,7 +393,7 @@ class RawNode:
 
     def campaign(self) -> None:
         """Start an election now (used by tests and by a single-node bootstrap)."""
-        if self.role is not Role.LEADER and self._promotable():
+        if self.role is not Role.LEADER and self._may_campaign():
             self._campaign(pre=self.cfg.pre_vote, force=False)
 
     # ======================================================================
@@ -395,11 +420,23 @@ class RawNode:
         soft = self._soft_state()
         entries = self.log.unstable_entries()
         committed = tuple(self.log.next_committed(self.cfg.max_apply_bytes))
+        msgs = self._msgs
+        held: list[Message] = []
+        if hs.term != self._prev_hs.term or hs.vote != self._prev_hs.vote:
+            # A driver may send a leader's APP/HEARTBEAT before persisting
+            # (EARLY_SEND_TYPES), which is sound only when the term and vote
+            # they depend on are already durable. A lone voter wins its
+            # election within one step, so its first appends would share a
+            # Ready with its new term: hold them for the next Ready, which
+            # the driver handles only after this one's sync.
+            held = [m for m in msgs if m.type in EARLY_SEND_TYPES]
+            if held:
+                msgs = [m for m in msgs if m.type not in EARLY_SEND_TYPES]
         rd = Ready(
             soft_state=soft if soft != self._prev_soft else None,
             hard_state=hs if hs != self._prev_hs else None,
             entries=entries,
-            messages=tuple(self._msgs),
+            messages=tuple(msgs),
             committed_entries=committed,
             read_states=tuple(self._read_states),
             read_failures=tuple(self._read_failures),
@@ -412,7 +449,7 @@ class RawNode:
         )
         self._installing = None
         self._snap_msgs = []
-        self._msgs = []
+        self._msgs = held
         self._read_states = []
         self._read_failures = []
         self._prev_soft = soft
@@ -466,7 +503,12 @@ class RawNode:
         return self._tick_count < self._lease_expiry_tick
 
     def suspend_lease(self) -> None:
-        self._lease_expiry_tick = -1  # TEMP stub, main has the real one
+        """The driver's loop stalled longer than the lease's safety margin
+        (:meth:`RaftConfig.lease_margin_ticks`): drop the lease, and take a
+        new one only from a heartbeat round sent after this call and
+        acknowledged by a quorum. Reads go by ReadIndex meanwhile."""
+        self._lease_expiry_tick = -1
+        self._lease_min_round = self._hb_round + 1
 
     def lease_remaining_ticks(self) -> int:
         return max(0, self._lease_expiry_tick - self._tick_count) if self.lease_valid() else 0
@@ -554,7 +596,12 @@ class RawNode:
         nxt = self.log.last_index() + 1
         self._progress = {}
         for nid in self.config.members():
-            pr = Progress(nxt, self.cfg.max_inflight_msgs, self.config.is_learner(nid))
+            pr = Progress(
+                nxt,
+                self.cfg.max_inflight_msgs,
+                self.config.is_learner(nid),
+                self.cfg.max_inflight_bytes,
+            )
             if nid == self.id:
                 pr.match = self.log.stable_last_index()
                 pr.next = nxt
@@ -566,9 +613,10 @@ class RawNode:
     # ======================================================================
     def _tick_election(self) -> None:
         self._election_elapsed += 1
-        if self._promotable() and self._election_elapsed >= self._randomized_timeout:
+        if self._election_elapsed >= self._randomized_timeout and self._promotable():
             self._election_elapsed = 0
-            self._campaign(pre=self.cfg.pre_vote, force=False)
+            if self._may_campaign():
+                self._campaign(pre=self.cfg.pre_vote, force=False)
 
     def _tick_leader(self) -> None:
         self._heartbeat_elapsed += 1
@@ -619,6 +667,36 @@ class RawNode:
     def _promotable(self) -> bool:
         return self.config.is_voter(self.id)
 
+    def _may_campaign(self) -> bool:
+        """A voter may stand for election only once every configuration change
+        it knows to be committed is applied (etcd's ``hasUnappliedConfChanges``).
+
+        Membership takes effect at apply time and the driver applies a bounded
+        amount per Ready, so a node replaying a backlog can be behind its own
+        commit index for many ticks. Counting votes (or granting itself a
+        quorum) with the configuration before a committed change would let two
+        disjoint majorities each elect a leader: with voters {1,2,3} that
+        committed "promote 4" and "promote 5", nodes 1 and 2 still replaying
+        would form a quorum of the old {1,2,3} while {3,4,5} is a quorum of
+        the new one."""
+        if not self._promotable():
+            return False
+        if FAULT_CAMPAIGN_UNAPPLIED_CONF in self._faults:
+            return True  # planted bug: campaign with the stale configuration
+        return not self._has_unapplied_conf_changes()
+
+    def _has_unapplied_conf_changes(self) -> bool:
+        lo, hi = self.log.applied + 1, self.log.committed + 1
+        page = 1 << 20
+        while lo < hi:
+            ents = self.log.entries(lo, hi, page)
+            if not ents:
+                break
+            if any(e.type is EntryType.CONF_CHANGE for e in ents):
+                return True
+            lo = ents[-1].index + 1
+        return False
+
     def _campaign(self, *, pre: bool, force: bool) -> None:
         if pre:
             self._become_pre_candidate()
@@ -665,10 +743,17 @@ class RawNode:
 
     def _handle_vote_request(self, m: Message) -> None:
         resp_type = _VOTE_RESP[m.type]
-        if not self.config.is_voter(self.id):
-            return  # learners and removed nodes never vote
-        if not self.config.is_voter(m.frm):
-            # A removed (or not yet added) node must not disrupt the members.
+        # A node answers even while it believes it is a learner: it may have
+        # been promoted by a committed change it has not applied yet, and the
+        # candidate's configuration decides whose votes count (etcd does the
+        # same). Without this, voters {2,3} + learner 1 that committed "promote
+        # 1" on {2,3} and then lost 2 could never elect anyone.
+        if FAULT_LEARNER_IGNORES_VOTES in self._faults and not self.config.is_voter(self.id):
+            return  # planted bug: the old rule
+        if m.frm not in self.config.members():
+            # A removed (or never added) node must not disrupt the members.
+            # A learner candidate is answered: it may hold a promotion we
+            # have not applied yet.
             self._send(Message(resp_type, m.frm, self.id, self.term, reject=True))
             return
         can_vote = (
@@ -716,7 +801,13 @@ class RawNode:
             self._election_elapsed = 0
             self._last_leader_contact = self._tick_count
             self.lead = m.frm
-            self.log.commit_to(min(m.commit, self.log.last_index()))
+            if FAULT_HEARTBEAT_COMMIT_UNCHECKED in self._faults:
+                self.log.commit_to(min(m.commit, self.log.last_index()))  # planted bug
+            elif m.commit > self.log.committed and self.log.match_term(m.commit, m.log_term):
+                # Only an entry the leader confirmed we hold, at the term it
+                # holds there: after losing unsynced writes our log may end
+                # with other entries at those indexes (async flush mode).
+                self.log.commit_to(m.commit)
             self._send(
                 Message(MsgType.HEARTBEAT_RESP, m.frm, self.id, self.term, context=m.context)
             )
@@ -725,16 +816,39 @@ class RawNode:
             self._last_leader_contact = self._tick_count
             self.lead = m.frm
             self._handle_snapshot(m)
-        elif m.type is MsgType.TIMEOUT_NOW and m.frm == self.lead and self._promotable():
+        elif m.type is MsgType.TIMEOUT_NOW and m.frm == self.lead and self._may_campaign():
             # Transfer: campaign at once, bypassing pre-vote and stickiness.
             self._campaign(pre=False, force=True)
 
     def _handle_append(self, m: Message) -> None:
-        if m.index < self.log.committed:
-            self._send(
-                Message(MsgType.APP_RESP, m.frm, self.id, self.term, index=self.log.committed)
-            )
+        committed = self.log.committed
+        if m.index < committed and FAULT_ACK_BELOW_COMMIT in self._faults:
+            # planted bug (the old rule): acknowledge our commit index blindly
+            self._send(Message(MsgType.APP_RESP, m.frm, self.id, self.term, index=committed))
             return
+        if m.index < committed:
+            # A delayed or duplicated append, or a probe below our commit
+            # index. Everything we committed must agree with the leader: check
+            # the part of the message we can (a mismatch means this replica
+            # diverged, e.g. a leader that lost acknowledged but unsynced
+            # writes in async flush mode, and must not be hidden by an
+            # acknowledgement), then acknowledge only what the message proved.
+            self._check_committed_prefix(m)
+            verified = min(committed, m.index + len(m.entries))
+            if m.index + len(m.entries) <= committed:
+                self._send(Message(MsgType.APP_RESP, m.frm, self.id, self.term, index=verified))
+                return
+            k = committed - m.index  # entries[k - 1] is our committed entry
+            m = Message(
+                MsgType.APP,
+                m.to,
+                m.frm,
+                m.term,
+                log_term=m.entries[k - 1].term,
+                index=committed,
+                entries=m.entries[k:],
+                commit=m.commit,
+            )
         if self.log.match_term(m.index, m.log_term):
             last_new = m.index + len(m.entries)
             if (
@@ -757,7 +871,14 @@ class RawNode:
             self.log.commit_to(last_new if ahead else min(m.commit, last_new))
             self._send(Message(MsgType.APP_RESP, m.frm, self.id, self.term, index=last_new))
         else:
-            hint = min(m.index, self.log.last_index())
+            # Point the leader at the last entry of ours whose term is at most
+            # the term it expected at m.index: every entry after it belongs to
+            # a term the leader's log cannot agree with there, so the leader
+            # can skip all of them in one round trip (etcd's
+            # findConflictByTerm; Raft thesis 5.3's "optimization").
+            hint, hint_term = self.log.find_conflict_by_term(
+                min(m.index, self.log.last_index()), m.log_term
+            )
             self._send(
                 Message(
                     MsgType.APP_RESP,
@@ -767,7 +888,7 @@ class RawNode:
                     index=m.index,
                     reject=True,
                     reject_hint=hint,
-                    log_term=self._safe_term(hint),
+                    log_term=hint_term,
                 )
             )
 
@@ -793,6 +914,24 @@ class RawNode:
             self.config = meta.config
         self._send(Message(MsgType.APP_RESP, m.frm, self.id, self.term, index=meta.index))
 
+    def _check_committed_prefix(self, m: Message) -> None:
+        """Raise ReplicaDiverged if ``m`` shows that the leader's log differs
+        from ours at or below our commit index."""
+        committed = self.log.committed
+        checks = [(m.index, m.log_term)]
+        checks += [(e.index, e.term) for e in m.entries if e.index <= committed]
+        for index, term in checks:
+            try:
+                mine = self.log.term(index)
+            except Compacted:
+                continue  # inside our snapshot: applied, nothing to compare
+            if index > 0 and mine != term:
+                raise ReplicaDiverged(
+                    f"node {self.id}: the leader {m.frm} (term {m.term}) holds "
+                    f"{index}@t{term} but this replica committed {index}@t{mine}: "
+                    "the replicas diverged; rebuild this replica from the leader"
+                )
+
     def _find_conflict(self, ents: tuple[Entry, ...]) -> int:
         """Index of the first entry that is new or conflicts; 0 if all present."""
         for e in ents:
@@ -816,12 +955,22 @@ class RawNode:
         if m.type is MsgType.APP_RESP:
             pr.recent_active = True
             if m.reject:
-                if pr.maybe_decr_to(m.index, m.reject_hint):
+                hint = m.reject_hint
+                if m.log_term > 0:
+                    # The follower holds at ``hint`` an entry of term
+                    # ``m.log_term``: our own last entry of a term <= that is
+                    # the furthest point where the two logs can still agree.
+                    hint = self.log.find_conflict_by_term(hint, m.log_term)[0]
+                if pr.maybe_decr_to(m.index, hint):
                     if pr.state is ProgressState.REPLICATE:
                         pr.become_probe()
                     self._send_append(m.frm)
                 return
             was_paused = pr.is_paused()
+            if m.index > self.log.last_index():
+                # Acknowledging entries we do not have: a replica whose log is
+                # longer than ours at a commit we never made. Never record it.
+                return
             if pr.maybe_update(m.index):
                 if pr.state is ProgressState.PROBE:
                     pr.become_replicate()
@@ -907,7 +1056,9 @@ class RawNode:
                 commit=self.log.committed,
             )
         )
-        pr.sent_entries(ents[-1].index if ents else None)
+        pr.sent_entries(
+            ents[-1].index if ents else None, sum(len(e.data) for e in ents) + 32 * len(ents)
+        )
         return True
 
     def _send_snapshot(self, to: int, pr: Progress) -> None:
@@ -937,13 +1088,18 @@ class RawNode:
             if nid == self.id:
                 continue
             pr = self._progress[nid]
+            commit = min(pr.match, self.log.committed)
             self._send(
                 Message(
                     MsgType.HEARTBEAT,
                     nid,
                     self.id,
                     self.term,
-                    commit=min(pr.match, self.log.committed),
+                    commit=commit,
+                    # The follower commits only if it holds this very entry:
+                    # ``pr.match`` may be stale (an async-mode follower that
+                    # lost its unsynced tail since it acknowledged it).
+                    log_term=self._safe_term(commit),
                     context=self._hb_round,
                 )
             )
@@ -965,7 +1121,11 @@ class RawNode:
         start = self._hb_sent_tick[q_round]
         for r in [r for r in self._hb_sent_tick if r < q_round]:
             del self._hb_sent_tick[r]
-        if not self._lease_disabled and self._transferee == NONE:
+        if (
+            not self._lease_disabled
+            and self._transferee == NONE
+            and q_round >= self._lease_min_round
+        ):
             self._lease_expiry_tick = max(self._lease_expiry_tick, start + self.cfg.lease_ticks)
         if self._pending_reads:
             done = [p for p in self._pending_reads if p[1] <= q_round]
@@ -1059,7 +1219,12 @@ class RawNode:
                 self._acked_round.pop(nid, None)
         for nid in sorted(members):
             if nid not in self._progress:
-                pr = Progress(self.log.last_index() + 1, self.cfg.max_inflight_msgs, True)
+                pr = Progress(
+                    self.log.last_index() + 1,
+                    self.cfg.max_inflight_msgs,
+                    True,
+                    self.cfg.max_inflight_bytes,
+                )
                 self._progress[nid] = pr
             self._progress[nid].is_learner = self.config.is_learner(nid)
         if self._transferee != NONE and not self.config.is_voter(self._transferee):

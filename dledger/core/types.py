@@ -239,8 +239,10 @@ class Ready:
        exception: a leader's APP and HEARTBEAT messages (``EARLY_SEND_TYPES``)
        may go out before or while the write happens (Raft thesis 10.2.1). The
        leader counts its own copy toward commit only after ``advance``, so an
-       entry still commits only once a quorum holds it durably; and a leader's
-       term and vote were already durable when it campaigned;
+       entry still commits only once a quorum holds it durably; and the core
+       never puts such a message into a Ready that changes the term or vote
+       (it holds them for the next Ready), so the term and vote they depend
+       on are durable before they leave;
     2. then the other ``messages`` are sent;
     3. then ``committed_entries`` are applied to the state machine in order
        (they are already durable on a quorum; some may be in ``entries`` of
@@ -297,6 +299,7 @@ class RaftConfig:
     heartbeat_ticks: int = 1
     lease_drift_ticks: int = 2
     max_inflight_msgs: int = 256
+    max_inflight_bytes: int = 8 << 20  # entry bytes in flight per follower (0: unbounded)
     max_msg_bytes: int = 1 << 20
     max_apply_bytes: int = 8 << 20
     transfer_max_lag: int = 1024
@@ -306,11 +309,36 @@ class RaftConfig:
     snapshot_retry_ticks: int = 20  # resend a snapshot nobody acknowledged
     check_quorum: bool = True
     pre_vote: bool = True
+    clock_drift_max: float = 0.01  # bound on any node's tick-rate error (1 = 100%)
     faults: frozenset[str] = field(default_factory=frozenset)
 
     @property
     def lease_ticks(self) -> int:
         return self.election_ticks - self.lease_drift_ticks
+
+    def lease_margin_ticks(self) -> float:
+        """How much real time, in nominal ticks, is left between the end of a
+        leader's lease and the earliest moment another leader can be elected:
+
+            (election_ticks - 1) * (1 - d)  -  lease_ticks * (1 + d)
+
+        with ``d = clock_drift_max``. Both ends count from the send of the
+        heartbeat round a quorum acknowledged. A follower that received it
+        refuses votes until its own tick count has moved ``election_ticks``
+        past the tick it received it in, i.e. for at least ``election_ticks -
+        1`` of its ticks, which a fast clock makes as short as ``(E - 1)(1 -
+        d)`` nominal ticks. The leader stops serving lease reads once its tick
+        count reaches ``send tick + lease_ticks``, at most ``lease_ticks (1 +
+        d)`` nominal ticks after the send if its clock is slow. A lease read is
+        safe if the leader decides it within that margin of reading its
+        clock: the driver ticks up to the clock right before each lease
+        decision, and a driver whose loop stalled longer than the margin (a
+        pause between reading the clock and acting on it) calls
+        ``RawNode.suspend_lease()``. ``validate()`` refuses a configuration
+        whose margin is not positive. Defaults (E=15, drift ticks 3, d=1%):
+        1.74 ticks, 35 ms at 20 ms per tick."""
+        d = self.clock_drift_max
+        return (self.election_ticks - 1) * (1 - d) - self.lease_ticks * (1 + d)
 
     def validate(self) -> None:
         if self.node_id <= 0:
@@ -321,8 +349,19 @@ class RaftConfig:
             raise ConfigError("election_ticks must be greater than heartbeat_ticks")
         if self.lease_drift_ticks < 1 or self.lease_ticks < 1:
             raise ConfigError("lease_drift_ticks must be in [1, election_ticks)")
+        if not 0 <= self.clock_drift_max < 0.5:
+            raise ConfigError("clock_drift_max must be in [0, 0.5)")
+        if self.check_quorum and self.lease_margin_ticks() <= 0:
+            raise ConfigError(
+                f"the lease has no safety margin: (election_ticks - 1) * (1 - clock_drift_max) "
+                f"must exceed lease_ticks * (1 + clock_drift_max) "
+                f"({self.election_ticks - 1} * {1 - self.clock_drift_max:g} <= "
+                f"{self.lease_ticks} * {1 + self.clock_drift_max:g}); raise lease_drift_ticks"
+            )
         if self.max_inflight_msgs < 1 or self.max_msg_bytes < 1:
             raise ConfigError("max_inflight_msgs and max_msg_bytes must be >= 1")
+        if self.max_inflight_bytes < 0:
+            raise ConfigError("max_inflight_bytes must be >= 0 (0: no byte bound)")
         if self.snapshot_trailing_entries < 0 or self.snapshot_retry_ticks < 1:
             raise ConfigError("snapshot_trailing_entries >= 0 and snapshot_retry_ticks >= 1")
         if self.transfer_max_lag < 0:

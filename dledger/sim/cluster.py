@@ -166,6 +166,7 @@ class SimNodeConfig(NodeConfig):
     log_cache_entries_max: int = 65536
     log_cache_bytes_max: int = 64 << 20
     snapshot_retry_ticks: int = 5
+    clock_drift_max: float = 0.01
 
     def raft_config(self) -> RaftConfig:
         return dataclasses.replace(
@@ -176,6 +177,7 @@ class SimNodeConfig(NodeConfig):
             log_cache_entries_max=self.log_cache_entries_max,
             log_cache_bytes_max=self.log_cache_bytes_max,
             snapshot_retry_ticks=self.snapshot_retry_ticks,
+            clock_drift_max=self.clock_drift_max,
         )
 
 
@@ -326,6 +328,7 @@ class Simulation:
             log_cache_entries_max=c.log_cache_entries_max,
             log_cache_bytes_max=c.log_cache_bytes_max,
             snapshot_retry_ticks=c.snapshot_retry_ticks,
+            clock_drift_max=c.drift,
         )
 
     def _spawn(self, nid: int, slow: bool | None = None) -> Host:

@@ -3,16 +3,51 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.web_runner import BaseRunner
 
 from dledger.config import NodeConfig
 from dledger.node import Node
-from http_api.server import make_node_app, make_state_machine
+from http_api.guard import HttpLimits
+from http_api.protocol import NodeAppRunner
+from http_api.server import BACKLOG, make_node_app, make_state_machine
+
+
+class _WideBacklog(socket.socket):
+    """A listening socket whose backlog is at least the node's (asyncio
+    listens with aiohttp's 128: a burst of connects would wait in SYN_RECV)."""
+
+    backlog = BACKLOG
+
+    def listen(self, backlog: int = 0, /) -> None:
+        super().listen(max(backlog, self.backlog))
+
+
+def _wide_backlog_socket(host: str, port: int, family: socket.AddressFamily) -> socket.socket:
+    s = _WideBacklog(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, port))
+    return s
+
+
+class NodeTestServer(TestServer):
+    """aiohttp's TestServer with the node's connection handling
+    (http_api/protocol.py: limits, timeouts, envelope parser errors) and
+    listen backlog (http_api/server.py)."""
+
+    def __init__(self, app: Any, limits: HttpLimits, **kwargs: Any) -> None:
+        kwargs.setdefault("socket_factory", _wide_backlog_socket)
+        super().__init__(app, **kwargs)
+        self.limits = limits
+
+    async def _make_runner(self, **kwargs: Any) -> BaseRunner:
+        return NodeAppRunner(self.app, self.limits, **kwargs)
 
 
 @asynccontextmanager
@@ -24,7 +59,8 @@ async def serve_one_node(cfg: NodeConfig) -> AsyncIterator[TestClient[Any, Any]]
     while not node.leader_ready():
         assert time.monotonic() < deadline, "a one-node cluster did not elect itself"
         await asyncio.sleep(0.02)
-    c: TestClient[Any, Any] = TestClient(TestServer(make_node_app(node)))
+    server = NodeTestServer(make_node_app(node), HttpLimits.of(cfg))
+    c: TestClient[Any, Any] = TestClient(server)
     await c.start_server()
     try:
         yield c

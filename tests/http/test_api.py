@@ -112,8 +112,10 @@ async def test_produce_consume_roundtrip_and_topic_admin(client: TestClient[Any,
         ({"messages": [{"value": "x", "encoding": "utf-8", "queue": -1}]}, "messages[0].queue"),
         (
             {"messages": [{"value": "x", "encoding": "utf-8", "properties": {"a": 1}}]},
-            "messages[0].properties",
+            "messages[0].properties.a",
         ),
+        # a typo is not a field (it was stored as base64-decoded garbage)
+        ({"messages": [{"value": "test", "encodng": "utf-8"}]}, "messages[0].encodng"),
         ({"messages": [{"value": "x", "encoding": "utf-8"}], "sequence": 0}, "producer_id"),
     ],
 )

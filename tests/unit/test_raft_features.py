@@ -529,7 +529,10 @@ def test_single_voter_serves_reads_at_once() -> None:
 # ===========================================================================
 
 
-def test_learner_never_campaigns_nor_votes() -> None:
+def test_learner_never_campaigns_and_its_votes_do_not_count() -> None:
+    """A learner never stands for election. It does answer vote requests (it
+    may hold a promotion it has not applied yet), but a candidate whose
+    configuration lists it as a learner does not count its vote."""
     net = elected(learners=(4,))
     learner = net.nodes[4]
     assert learner.status().role is Role.LEARNER
@@ -537,14 +540,16 @@ def test_learner_never_campaigns_nor_votes() -> None:
     for _ in range(5 * E):
         learner.tick()
         assert read_messages(learner) == []
-    for mtype in (MsgType.PRE_VOTE, MsgType.VOTE):
-        learner.step(Message(mtype, 4, 2, 3, log_term=1, index=1))
-        assert read_messages(learner) == []
-    assert learner.vote == NONE
-    # candidates do not ask learners
+    learner.step(Message(MsgType.VOTE, 4, 2, 3, log_term=1, index=1))
+    (resp,) = read_messages(learner)
+    assert resp.type is MsgType.VOTE_RESP and not resp.reject
+    assert learner.vote == 2
+    # candidates do not ask learners, and a learner's grant does not win
     c = new_node(2, learners=(4,), pre_vote=False)
     c.campaign()
     assert {m.to for m in read_messages(c)} == {1, 3}
+    c.step(Message(MsgType.VOTE_RESP, 2, 4, c.term))
+    assert c.role is Role.CANDIDATE
 
 
 def test_learners_receive_entries_but_do_not_count_for_commit() -> None:

@@ -24,6 +24,7 @@ from dledger.core.types import (
     MsgType,
     Role,
 )
+from dledger.errors import ReplicaDiverged
 from tests.unit.raft_harness import (
     E,
     Network,
@@ -218,8 +219,8 @@ def test_paper_leader_bcast_heartbeat() -> None:
     ctx = msgs[0].context
     assert ctx >= 1
     assert msgs == [
-        Message(MsgType.HEARTBEAT, 2, 1, 1, commit=1, context=ctx),
-        Message(MsgType.HEARTBEAT, 3, 1, 1, commit=1, context=ctx),
+        Message(MsgType.HEARTBEAT, 2, 1, 1, commit=1, log_term=1, context=ctx),
+        Message(MsgType.HEARTBEAT, 3, 1, 1, commit=1, log_term=1, context=ctx),
     ]
     r.tick()
     r.tick()
@@ -607,7 +608,7 @@ def test_paper_follower_appends_and_acks_last_index_of_message(
     [
         (3, 3, 3),  # term mismatch at index 3
         (5, 2, 3),  # beyond the follower's log
-        (2, 1, 2),  # term mismatch earlier
+        (2, 1, 1),  # term mismatch earlier: skip the whole term-2 run at once
         (4, 4, 3),
     ],
 )
@@ -615,8 +616,9 @@ def test_paper_follower_rejects_mismatched_prev_with_hint(
     index: int, log_term: int, hint: int
 ) -> None:
     """5.3: the consistency check fails when the follower lacks an entry at
-    prev index with prev term; the rejection carries a hint (its last index,
-    capped at prev index, and the term there)."""
+    prev index with prev term; the rejection carries a hint: its last entry,
+    at or below prev index, whose term is at most prev term, and that term
+    (etcd's findConflictByTerm), so the leader skips a whole term at once."""
     r = new_node(1, storage=preload(ents(1, 2, 2), term=4))
     before = core_log(r)
     r.step(
@@ -698,11 +700,43 @@ def test_paper_delayed_append_does_not_truncate_acknowledged_entries() -> None:
         assert core_log(r) == stored_log(r) == [(1, 1), (2, 2), (3, 2), (4, 2)]
 
 
-def test_paper_append_below_commit_is_answered_with_commit_index() -> None:
+def test_paper_append_below_commit_is_answered_with_what_it_proved() -> None:
+    """An append whose prev index is below our commit index (delayed or
+    duplicated) is checked against our committed entries and acknowledged
+    only as far as it proved agreement: never blindly with our commit index,
+    which would hide a diverged replica."""
     r = new_node(1, storage=preload(ents(1, 1, 1), term=1, commit=3))
     r.step(Message(MsgType.APP, 1, 2, 1, log_term=1, index=1, entries=tuple(ents(1, start=2))))
-    assert read_messages(r) == [Message(MsgType.APP_RESP, 2, 1, 1, index=3)]
+    assert read_messages(r) == [Message(MsgType.APP_RESP, 2, 1, 1, index=2)]
     assert core_log(r) == [(1, 1), (2, 1), (3, 1)]
+    # entries that reach past our commit index are appended as usual
+    r.step(
+        Message(MsgType.APP, 1, 2, 1, log_term=1, index=1, entries=tuple(ents(1, 1, 1, start=2)))
+    )
+    assert read_messages(r) == [Message(MsgType.APP_RESP, 2, 1, 1, index=4)]
+    assert core_log(r) == [(1, 1), (2, 1), (3, 1), (4, 1)]
+
+
+def test_paper_append_contradicting_a_committed_entry_stops_the_replica() -> None:
+    """A leader whose log differs from ours at or below our commit index
+    (possible only after acknowledged writes were lost, e.g. a majority power
+    loss in async flush mode) is never acknowledged: the replica stops and
+    asks to be rebuilt (ReplicaDiverged, a StorageCorrupted: exit 2)."""
+    r = new_node(1, storage=preload(ents(1, 1, 1), term=1, commit=3))
+    with pytest.raises(ReplicaDiverged):
+        r.step(Message(MsgType.APP, 1, 2, 2, log_term=1, index=1, entries=tuple(ents(2, start=2))))
+    r = new_node(1, storage=preload(ents(1, 1, 1), term=1, commit=3))
+    with pytest.raises(ReplicaDiverged):
+        r.step(Message(MsgType.APP, 1, 2, 2, log_term=2, index=2, entries=()))
+
+
+def test_paper_leader_never_records_a_match_beyond_its_log() -> None:
+    net = elected_leader()
+    r = net.nodes[1]
+    before = r.status().peers[2]
+    r.step(Message(MsgType.APP_RESP, 1, 2, 1, index=r.log.last_index() + 5))
+    assert read_messages(r) == []
+    assert r.status().peers[2] == before
 
 
 def test_paper_stale_success_reply_never_lowers_match() -> None:

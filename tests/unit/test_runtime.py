@@ -68,7 +68,7 @@ def test_a_stall_beyond_the_lease_margin_suspends_the_lease() -> None:
     clock.now += 0.010  # one tick: on time
     node._catch_up_ticks(core)  # type: ignore[arg-type]
     assert (core.ticks, core.suspended) == (1, 0)
-    clock.now += 0.010 + 0.009  # late, but within the margin (half of 2 ticks)
+    clock.now += 0.010 + 0.005  # late, but within the margin (RaftConfig.lease_margin_ticks)
     node._catch_up_ticks(core)  # type: ignore[arg-type]
     assert core.suspended == 0
     clock.now += 0.050  # stalled: the lease may outlive the followers' timers

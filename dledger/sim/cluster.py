@@ -354,6 +354,7 @@ class Simulation:
             # between Readies long before the replay reaches the end.
             max_apply = 1
             host.apply_cost_s = c.slow_apply_cost_s
+            host.slow_until = st.hard_state().commit
             self.stats["slow_replays"] += 1
         env = NodeEnv(
             clock=host.local_now,

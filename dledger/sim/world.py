@@ -341,6 +341,7 @@ class Host:
         self.commit_seen = 0
         self.leader_term = 0
         self.apply_cost_s = sim.cfg.apply_cost_s
+        self.slow_until = 0  # applied index up to which apply_cost_s applies
 
     # -- time --------------------------------------------------------------
     def global_now(self) -> float:
@@ -367,7 +368,8 @@ class Host:
     def work(self, kind: str, n: int) -> None:
         c = self.sim.cfg
         if kind == "apply":
-            cost = self.apply_cost_s
+            # a slow replay is slow up to what was committed at the restart
+            cost = self.apply_cost_s if self.sm.index < self.slow_until else c.apply_cost_s
         elif kind == "step":
             cost = c.step_cost_s
         elif kind == "op":

@@ -123,6 +123,7 @@ class SimConfig:
     min_steps: int = 0  # a profile's floor for the faulty phase (scheduler steps)
     quiet_s: float = 0.5  # after the faulty phase: heal, restart, then check liveness
     liveness_s: float = 6.0
+    liveness_max_steps: int = 200_000  # a cluster churning without converging fails sooner
     check_liveness: bool = True
     keep_down_rate: float = 0.3  # quiet phase: leave one voter down (a minority)
     mixed: bool = False  # built by mixed_config(seed): reproduce with the seed alone
@@ -1124,7 +1125,8 @@ class Simulation:
         """After healing: a leader exists and every live member applies all of
         its log within a bounded time (replication never stays stuck)."""
         deadline = self.now + self.cfg.liveness_s
-        while self.now < deadline:
+        step_limit = self.steps + self.cfg.liveness_max_steps
+        while self.now < deadline and self.steps < step_limit:
             self._step()
             if self._converged() is not None:
                 return

@@ -942,10 +942,26 @@ class Simulation:
             return
         self.stats["conf_ok"] += 1
         if op == "remove":
-            # The removed process is shut down for good once its removal committed.
-            self._at(host.global_now(), "call", lambda: self._retire(nid))
+            # The removed process is shut down for good once its removal
+            # committed and (a careful operator checks) every remaining voter
+            # that is up applied it, or after a second at most.
+            t = host.global_now()
+            self._at(t, "call", lambda: self._retire(nid, t + 1.0))
 
-    def _retire(self, nid: int) -> None:
+    def _retire(self, nid: int, give_up_at: float) -> None:
+        if nid in self.removed:
+            return
+        waiting = [
+            h.nid
+            for h in (self.hosts[n] for n in sorted(self.hosts))
+            if h.nid != nid
+            and h.node._raft is not None
+            and h.node._raft.config.is_voter(h.nid)
+            and h.node._raft.config.is_voter(nid)
+        ]
+        if waiting and self.now < give_up_at:
+            self._at(self.now + 0.01, "call", lambda: self._retire(nid, give_up_at))
+            return
         self.removed.add(nid)
         h = self.hosts.pop(nid, None)
         if h is not None:

@@ -58,14 +58,7 @@ def test_standard_mix_has_no_violation(block: int) -> None:
 # Violations the simulator found in the real code that nobody planted, not
 # fixed yet: (profile, seed) -> what. A test that meets one reports it as an
 # expected failure naming it, and fails on anything else.
-KNOWN_FINDINGS: dict[tuple[str, int], str] = {
-    ("mixed", 6): "a learner added while the leader was itself a newer member rejects the "
-    "leader's frames (the transport only admits the node's configured peers) and never "
-    "catches up: liveness",
-    ("truncate", 8): "a leader removes itself from two voters and is shut down once the "
-    "removal is acknowledged; the survivor never learns it committed and, under the old "
-    "configuration, needs the removed node's vote: no leader ever",
-}
+KNOWN_FINDINGS: dict[tuple[str, int], str] = {}
 
 
 def _known(profile: str, seed: int, v: SimViolation) -> bool:

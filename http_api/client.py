@@ -358,7 +358,11 @@ class Client:
         self.request("POST", f"/v1/groups/{group}/offsets", body, safe=True)
 
     def offsets(self, group: str, topic: str | None = None) -> dict[tuple[str, int], int]:
-        path = f"/v1/groups/{group}/offsets" + (f"?topic={topic}" if topic else "")
+        # Linearizable (from the leader): a lagging replica could return an
+        # offset older than the group's last commit, and the group re-read.
+        path = f"/v1/groups/{group}/offsets?consistency=linearizable" + (
+            f"&topic={topic}" if topic else ""
+        )
         res = self.request("GET", path, safe=True)
         return {(o["topic"], o["queue"]): o["offset"] for o in res["offsets"]}
 
@@ -541,6 +545,10 @@ class AsyncClient:
         await self.request("POST", f"/v1/groups/{group}/offsets", body, safe=True)
 
     async def offsets(self, group: str, topic: str | None = None) -> dict[tuple[str, int], int]:
-        path = f"/v1/groups/{group}/offsets" + (f"?topic={topic}" if topic else "")
+        # Linearizable (from the leader): a lagging replica could return an
+        # offset older than the group's last commit, and the group re-read.
+        path = f"/v1/groups/{group}/offsets?consistency=linearizable" + (
+            f"&topic={topic}" if topic else ""
+        )
         res = await self.request("GET", path, safe=True)
         return {(o["topic"], o["queue"]): o["offset"] for o in res["offsets"]}

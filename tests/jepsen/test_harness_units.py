@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import random
 import re
 import xml.etree.ElementTree as ET
@@ -121,3 +122,39 @@ def test_report_is_self_contained_html_with_well_formed_svg() -> None:
     for s in svgs:
         ET.fromstring(s)
     assert "RTO per fault" in page and "kill" in page
+
+
+def test_a_run_inherits_the_machine_lock_its_parent_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A test takes the lock before its clock starts; the run it starts
+    passes straight through; anyone else still waits, also after that run
+    ended (the run does not release its parent's lock)."""
+    import subprocess
+    import sys
+
+    from jepsen_like import control
+
+    monkeypatch.setattr(control, "STATE_DIR", tmp_path)
+    parent = control.RunLock()
+    assert parent.acquire(0, print)
+    probe = (
+        "import sys; from jepsen_like.control import RunLock; "
+        "sys.exit(0 if RunLock().acquire(0, lambda m: None) else 1)"
+    )
+    env = dict(os.environ, JEPSEN_LIKE_STATE=str(tmp_path))
+
+    def child(inherit: bool) -> int:
+        e = dict(env, **{control.LOCK_FD_ENV: str(parent.fileno())}) if inherit else env
+        fds = (parent.fileno(),) if inherit else ()
+        return subprocess.run(
+            [sys.executable, "-c", probe], env=e, pass_fds=fds, timeout=60, check=False
+        ).returncode
+
+    try:
+        assert child(inherit=False) == 1  # held: another run would wait
+        assert child(inherit=True) == 0  # the parent's own run goes ahead
+        assert child(inherit=False) == 1  # and did not release it on exit
+    finally:
+        parent.release()
+    assert child(inherit=False) == 0

@@ -158,3 +158,56 @@ def test_a_run_inherits_the_machine_lock_its_parent_holds(
     finally:
         parent.release()
     assert child(inherit=False) == 0
+
+
+class _RebuildCluster:
+    """Three voters; node 2 is down. The leader (1) was elected in term 5,
+    after the fault's start recorded term 4, so it may hold node 2's old
+    match index; node 2 catches up a few polls after it is started."""
+
+    voters = ids = [1, 2, 3]
+
+    def __init__(self) -> None:
+        self.term, self.leader = 5, 1
+        self.events: list[tuple[Any, ...]] = []
+        self.polls_after_start = 0
+        self.up = False
+
+    async def statuses(self) -> dict[int, dict[str, Any]]:
+        return {
+            n: {"term": self.term, "commit": 100, "role": "leader" if n == self.leader else "f"}
+            for n in (1, 3)
+        }
+
+    async def transfer_leadership(self, lead: int, to: int) -> bool:
+        self.events.append(("transfer", self.term, to))
+        self.term, self.leader = self.term + 1, to
+        return True
+
+    def wipe(self, node: int) -> None:
+        self.events.append(("wipe", self.term, self.leader))
+
+    def start(self, node: int) -> None:
+        self.events.append(("start", self.term, self.leader))
+        self.up = True
+
+    def alive(self, node: int) -> bool:
+        return self.up
+
+    async def status(self, node: int) -> dict[str, Any] | None:
+        self.polls_after_start += 1
+        return {"applied": 100 if self.polls_after_start >= 3 else 0}
+
+
+async def test_a_rebuilt_replica_joins_a_leader_elected_while_it_was_down() -> None:
+    c = _RebuildCluster()
+    n = Nemesis(c, Writer(io.StringIO()), random.Random(7), [], log=lambda _: None,  # type: ignore[arg-type]
+                libfaketime=None)  # fmt: skip
+    info: dict[str, Any] = {}
+    await n.rebuild(2, 4, info)
+    # a transfer even though the term (5) is already above the recorded one
+    # (4): the leader of term 5 may have heard node 2 before it went down
+    assert c.events[0] == ("transfer", 5, 3)
+    assert [e[0] for e in c.events] == ["transfer", "wipe", "start"]
+    assert info["rebuilt"] and info["caught_up"]  # and the heal waited for its catch-up
+    assert c.polls_after_start >= 3

@@ -42,7 +42,8 @@ class ApiError(Exception):
     other fields in ``details`` (e.g. ``field``, ``min_offset``)."""
 
     def __init__(self, status: int, code: str, message: str, details: dict[str, Any]) -> None:
-        super().__init__(f"{status} {code}: {message}")
+        # status 0: no HTTP answer at all (refused, timed out, connection lost)
+        super().__init__(f"{status} {code}: {message}" if status else f"{code}: {message}")
         self.status = status
         self.code = code
         self.details = details

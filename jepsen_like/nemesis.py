@@ -34,9 +34,14 @@ Kinds and shapes (targets are voters unless said otherwise):
   (2) the cluster's term has moved past every term the node could have voted
   in, so it cannot vote twice in one term. The nemesis waits for (1) by
   comparing the others' commit indexes with the leader's, and for (2) by
-  asking for a leadership transfer (which starts a new term) until the
-  leader's term is above the highest term it saw before the kill. Only
-  one node is ever corrupted at once.
+  asking for leadership transfers (each starts a new term) until the
+  leader's term is above every term seen since the node went down. That
+  leader was elected without the node, so it holds no stale progress for
+  it (a leader that heard the node before the wipe would only ever offer
+  it entries after its old position, which the empty node refuses). The
+  heal, and so the fault's window, ends once the rebuilt node has caught
+  up: its catch-up loads the leader and belongs to this fault. Only one
+  node is ever corrupted at once.
 """
 
 from __future__ import annotations
@@ -211,7 +216,9 @@ class Nemesis:
         await self._heal()
         self._heal = None
         self._open = None
-        extra = {k: v for k, v in info.items() if k in ("rebuilt", "refused", "damage")}
+        extra = {
+            k: v for k, v in info.items() if k in ("rebuilt", "refused", "damage", "caught_up")
+        }
         self._record("stop", kind, targets, **extra)
         self.events.append({"kind": kind, "targets": targets, **info})
         self.log(f"nemesis stop  {kind} {targets}")

@@ -35,32 +35,76 @@ def _kinds(s: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jepsen_like")
     sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="run the harness against a fresh local cluster")
-    r.add_argument("--nodes", type=int, choices=[3, 5], default=3)
-    r.add_argument("--learners", type=int, default=0)
-    r.add_argument("--nemesis", type=_kinds, default=list(ALL_KINDS))
-    r.add_argument("--time-limit", type=float, default=60.0)
-    r.add_argument("--out", type=Path, default=Path("jepsen-out"))
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--queues", type=int, default=4)
-    r.add_argument("--producers", type=int, default=4)
-    r.add_argument("--readers", type=int, default=2)
-    r.add_argument("--pollers", type=int, default=2)
-    r.add_argument("--fault-seconds", type=float, nargs=2, default=(2.5, 5.0))
-    r.add_argument("--quiet-seconds", type=float, nargs=2, default=(2.0, 4.0))
+    r = sub.add_parser(
+        "run",
+        help="run the harness against a fresh local cluster",
+        description="Start a fresh cluster, run clients while nemeses inject faults, heal, "
+        "read everything back, and check the history. Writes history.jsonl, results.json "
+        "and report.html to --out. Exit status: 0 valid, 1 invalid, 2 unknown, 3 the "
+        "harness failed. Partitions need root and `ip netns` (else the nodes run on "
+        "127.0.0.1 and partition is skipped); the clock nemesis needs libfaketime.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    r.add_argument("--nodes", type=int, choices=[3, 5], default=3, help="voters")
+    r.add_argument("--learners", type=int, default=0, help="non-voting replicas")
+    r.add_argument(
+        "--nemesis",
+        type=_kinds,
+        default="all",
+        metavar="KINDS",
+        help="faults to inject, in turn: 'all', 'none', or a comma-separated list of "
+        f"{', '.join(ALL_KINDS)} (kill: SIGKILL nodes; pause: SIGSTOP them; partition: "
+        "iptables rules between namespaces; clock: restart a node with a skewed or "
+        "strobing clock; corrupt: damage a stopped node's data file, rebuild it)",
+    )
+    r.add_argument(
+        "--time-limit", type=float, default=60.0, metavar="S", help="seconds of load and faults"
+    )
+    r.add_argument("--out", type=Path, default=Path("jepsen-out"), help="output directory")
+    r.add_argument("--seed", type=int, default=0, help="seed of the fault schedule and targets")
+    r.add_argument("--queues", type=int, default=4, help="queues of the test topic")
+    r.add_argument(
+        "--producers", type=int, default=4, help="producer clients (half of them idempotent)"
+    )
+    r.add_argument("--readers", type=int, default=2, help="clients reading by offset")
+    r.add_argument("--pollers", type=int, default=2, help="consumer-group clients")
+    r.add_argument(
+        "--fault-seconds",
+        type=float,
+        nargs=2,
+        default=(2.5, 5.0),
+        metavar=("MIN", "MAX"),
+        help="how long each fault lasts (uniform between MIN and MAX)",
+    )
+    r.add_argument(
+        "--quiet-seconds",
+        type=float,
+        nargs=2,
+        default=(2.0, 4.0),
+        metavar=("MIN", "MAX"),
+        help="quiet time between faults",
+    )
     r.add_argument(
         "--fault",
         action="append",
         default=[],
-        help="planted bug to switch on in every node (tests)",
+        metavar="NAME",
+        help="planted bug to switch on in every node, to see a checker fail (tests): "
+        "ack_before_commit, lin_read_no_lease, skip_fsync, follower_reads_uncommitted",
     )
-    r.add_argument("--no-netns", action="store_true", help="run nodes on 127.0.0.1")
+    r.add_argument(
+        "--no-netns",
+        action="store_true",
+        help="run nodes on 127.0.0.1 even when network namespaces are available",
+    )
     r.add_argument(
         "--shapes",
         action="append",
         default=[],
         metavar="KIND=S1,S2",
-        help="restrict a nemesis to these shapes, e.g. kill=majority,all partition=halves",
+        help="restrict a nemesis to these shapes, e.g. kill=majority,all partition=halves "
+        "(kill/pause: leader, one, minority, majority, all; partition: isolate-leader, "
+        "isolate-one, halves, bridge, majorities-ring, leader-minority; clock: skew, strobe)",
     )
     c = sub.add_parser("check", help="run the checkers on a history file")
     c.add_argument("history")
@@ -70,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return check_main([args.history, *rest])
     if rest:
-        p.error(f"unrecognized arguments: {' '.join(rest)}")
+        r.error(f"unrecognized arguments: {' '.join(rest)}")
     shapes: dict[str, list[str]] = {}
     for spec in args.shapes:
         kind, _, rest = spec.partition("=")

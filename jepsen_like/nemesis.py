@@ -34,9 +34,14 @@ Kinds and shapes (targets are voters unless said otherwise):
   (2) the cluster's term has moved past every term the node could have voted
   in, so it cannot vote twice in one term. The nemesis waits for (1) by
   comparing the others' commit indexes with the leader's, and for (2) by
-  asking for a leadership transfer (which starts a new term) until the
-  leader's term is above the highest term it saw before the kill. Only
-  one node is ever corrupted at once.
+  asking for leadership transfers (each starts a new term) until the
+  leader's term is above every term seen since the node went down. That
+  leader was elected without the node, so it holds no stale progress for
+  it (a leader that heard the node before the wipe would only ever offer
+  it entries after its old position, which the empty node refuses). The
+  heal, and so the fault's window, ends once the rebuilt node has caught
+  up: its catch-up loads the leader and belongs to this fault. Only one
+  node is ever corrupted at once.
 """
 
 from __future__ import annotations
@@ -211,7 +216,9 @@ class Nemesis:
         await self._heal()
         self._heal = None
         self._open = None
-        extra = {k: v for k, v in info.items() if k in ("rebuilt", "refused", "damage")}
+        extra = {
+            k: v for k, v in info.items() if k in ("rebuilt", "refused", "damage", "caught_up")
+        }
         self._record("stop", kind, targets, **extra)
         self.events.append({"kind": kind, "targets": targets, **info})
         self.log(f"nemesis stop  {kind} {targets}")
@@ -303,12 +310,22 @@ class Nemesis:
         await self.rebuild(node, max_term, info)
 
     async def rebuild(self, node: int, max_term: int, info: dict[str, Any]) -> None:
-        """Wipe ``node`` (stopped, a minority of one) and restart it empty, once safe."""
+        """Wipe ``node`` (stopped, a minority of one) and restart it empty, once
+        safe; return once it holds the log again (or after a bounded wait), so
+        the fault's window covers the whole rebuild."""
         others = [v for v in self.c.voters if v != node]
         # Everything committed before the kill is at or below every commit
         # index reported now; entries committed later never counted the
         # damaged node, and a majority of the others holds them.
         floor: int | None = None
+        # A leader elected while the node is down, after it stopped: its term
+        # is above every term the node saw (so it cannot vote twice in one),
+        # and it never heard the node acknowledge anything. A leader that did
+        # (elected before the kill) keeps the node's old match index; the
+        # core never probes below it, so an emptied node would be sent
+        # entries after its old match, refuse each one, and stay empty until
+        # the next leader change (see docs/design.md, "Rebuilding a replica").
+        fresh_term: int | None = None
         end = time.monotonic() + 60
         while time.monotonic() < end:
             st = await self.c.statuses()
@@ -319,7 +336,9 @@ class Nemesis:
                 await asyncio.sleep(0.3)
                 continue
             term = int(st[lead].get("term", 0))
-            if term <= max_term:
+            if fresh_term is None:
+                fresh_term = max([max_term, *(int(s.get("term", 0)) for s in st.values())])
+            if term <= fresh_term:
                 to = self.rng.choice([o for o in others if o != lead])
                 await self.c.transfer_leadership(lead, to)
                 await asyncio.sleep(0.5)
@@ -337,6 +356,21 @@ class Nemesis:
         self.c.start(node)
         self.corrupted.discard(node)
         info["rebuilt"] = True
+        # The heal ends when the rebuilt replica holds everything committed
+        # before the damage: its catch-up (the leader reads and sends it the
+        # whole log) is part of this fault, not of the quiet time after it.
+        t0 = time.monotonic()
+        caught_up = False
+        while time.monotonic() - t0 < 30 and self.c.alive(node):
+            s = await self.c.status(node)
+            if s is not None and int(s.get("applied", 0)) >= (floor or 0):
+                caught_up = True
+                break
+            await asyncio.sleep(0.2)
+        info["caught_up"] = caught_up
+        info["catch_up_s"] = round(time.monotonic() - t0, 2)
+        if not caught_up:
+            self.log(f"node {node}: rebuilt, but not caught up after {info['catch_up_s']} s")
 
 
 def _brief(info: dict[str, Any]) -> str:

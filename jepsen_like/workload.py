@@ -345,8 +345,15 @@ class Workload:
         while not self.stop.is_set():
             if pos is None:
                 self.w.invoke(process, "seek", key_of(q), offset=0, group=GROUP)
+                # Linearizable, as a consumer resuming after a failover must
+                # read its group's offsets: a committed read may come from a
+                # replica that has not applied the latest commit yet, and the
+                # group would then re-read (SCENARIOS 15's jump back).
                 r = await self.http.call(
-                    "GET", f"/v1/groups/{GROUP}/offsets?topic={TOPIC}", rng=rng
+                    "GET",
+                    f"/v1/groups/{GROUP}/offsets?topic={TOPIC}&consistency=linearizable"
+                    f"&timeout_ms={self.timeout_ms}",
+                    rng=rng,
                 )
                 st = read_outcome(r)
                 if st != "ok":

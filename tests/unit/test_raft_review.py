@@ -354,3 +354,28 @@ def test_ticking_the_due_ticks_at_once_equals_ticking_each(role: str) -> None:
         net_b.send(*msgs_b)
         net_a.deliver_all()
         net_b.deliver_all()
+
+
+# ===========================================================================
+# A replica rebuilt in place (emptied) is caught up
+# ===========================================================================
+
+
+def test_a_replica_rebuilt_from_an_empty_directory_is_caught_up() -> None:
+    """The leader once heard node 3 acknowledge its log; node 3 is then
+    rebuilt from an empty directory (after corruption or divergence) and
+    rejects the probe at its old match. The leader believes the rejection
+    instead of probing at match + 1 for ever."""
+    net = Network.of((1, 2, 3))
+    net.elect(1)
+    lead = net.nodes[1]
+    for k in range(10):
+        lead.propose(f"v{k}".encode())
+    net.deliver_all()
+    assert lead.status().peers[3].match == lead.log.last_index()
+    net.nodes[3] = new_node(3)  # an empty replica with the same id
+    lead.propose(b"after")
+    net.tick((1,), times=3)
+    net.deliver_all()
+    assert net.nodes[3].log.last_index() == lead.log.last_index()
+    assert net.nodes[3].log.committed == lead.log.committed

@@ -33,7 +33,7 @@ def _op(op: dict[str, Any]) -> str:
     return out
 
 
-def _queue_sentence(name: str, ex: dict[str, Any]) -> str:
+def queue_sentence(name: str, ex: dict[str, Any]) -> str:
     key = ex.get("key", "?")
     if name == "lost-write":
         return (
@@ -102,7 +102,7 @@ def reasons(results: dict[str, Any], max_per: int = 3) -> dict[str, list[str]]:
                 n = r.get("counts", {}).get(a, 0)
                 exs = r.get("examples", {}).get(a, [])
                 lines.append(f"{a}: {n} case(s)")
-                lines += [f"  {_queue_sentence(a, ex)}" for ex in exs[:max_per]]
+                lines += [f"  {queue_sentence(a, ex)}" for ex in exs[:max_per]]
         elif name == "recovery":
             for w in [w for w in r.get("windows", []) if w.get("unrecovered")][:max_per]:
                 lines.append(
@@ -128,7 +128,7 @@ def reasons(results: dict[str, Any], max_per: int = 3) -> dict[str, list[str]]:
     return out
 
 
-def _detail(name: str, r: dict[str, Any]) -> str:
+def detail(name: str, r: dict[str, Any]) -> str:
     if name == "linearizable":
         keys = r.get("keys", {})
         ops = sum(k.get("ops", 0) for k in keys.values())
@@ -185,7 +185,7 @@ def verdict_line(results: dict[str, Any], where: str | None = None) -> str:
 def table(results: dict[str, Any]) -> str:
     rows = [("checker", "verdict", "summary")]
     for name, r in results.get("checkers", {}).items():
-        rows.append((name, str(r.get("verdict")), _detail(name, r)))
+        rows.append((name, str(r.get("verdict")), detail(name, r)))
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     lines = [f"{a:<{w0}}  {b:<{w1}}  {c}" for a, b, c in rows]

@@ -216,8 +216,9 @@ class Workload:
 
     async def _pause(self, rng: random.Random, status: str = "ok") -> None:
         if status == "fail":
-            # Refused (node down, no leader): back off instead of spinning.
-            await asyncio.sleep(rng.uniform(0.05, 0.15))
+            # Refused (node down, no leader): back off as a real client would,
+            # instead of spinning through hundreds of instant failures.
+            await asyncio.sleep(rng.uniform(0.2, 0.5))
         else:
             await asyncio.sleep(rng.uniform(0.002, 0.02))
 

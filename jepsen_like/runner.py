@@ -70,7 +70,7 @@ class RunConfig:
     # Contended workload (issue 18): clients per queue (0: the legacy mix of
     # random-queue producers/readers above) and their short per-op deadlines.
     clients_per_queue: int = 12
-    client_timeout_s: tuple[float, float] | None = (0.15, 0.8)
+    client_timeout_s: tuple[float, float] | None = (0.1, 0.6)
     # Fault schedule: None = nemesis.REQUIRED in a seeded order, then round robin.
     schedule: list[tuple[str, str | None]] | None = None
 

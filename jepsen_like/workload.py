@@ -337,7 +337,9 @@ class Workload:
             msgs = r.body["messages"]
             pairs = [[int(m["queue_offset"]), str(m["value"])] for m in msgs]
             nxt = int(r.body["next_offset"])
-            end = len(pairs) < limit or nxt >= int(r.body["max_offset"])
+            # The server says where the log ends: a read cut short by a byte or
+            # scan limit has fewer than `limit` messages and still end=false.
+            end = nxt >= int(r.body["max_offset"])
         except (KeyError, TypeError, ValueError):
             self._complete("info", process, f, error="bad ok body", node=r.node)
             return "info", [], None

@@ -105,9 +105,11 @@ def reasons(results: dict[str, Any], max_per: int = 3) -> dict[str, list[str]]:
                 lines += [f"  {queue_sentence(a, ex)}" for ex in exs[:max_per]]
         elif name == "recovery":
             for w in [w for w in r.get("windows", []) if w.get("unrecovered")][:max_per]:
+                fs = w.get("unrecovered")
+                what = ", ".join(fs) if isinstance(fs, list) else "some operations"
                 lines.append(
                     f"the {w.get('kind')} window on {w.get('targets')} never recovered: "
-                    "no operation succeeded after it healed"
+                    f"{what} failed in it and never succeeded again"
                 )
             for g in r.get("unavailability", [])[:max_per]:
                 lines.append(

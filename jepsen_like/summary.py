@@ -119,7 +119,12 @@ def reasons(results: dict[str, Any], max_per: int = 3) -> dict[str, list[str]]:
         elif name == "nodes":
             for e in r.get("unexpected_exits", [])[:max_per]:
                 tail = (e.get("log_tail") or "").strip().splitlines()
-                last = tail[-1][:160] if tail else ""
+                telling = [
+                    x
+                    for x in tail
+                    if any(w in x for w in ("CRITICAL", "ERROR", "Error", "Violation", "Diverged"))
+                ]
+                last = (telling or tail or [""])[-1][:240]
                 lines.append(
                     f"node {e.get('node')} exited on its own with code {e.get('exit_code')}"
                     + (f": {last}" if last else "")

@@ -63,11 +63,15 @@ against brute force):
 Cost: with those, a linearizable history is checked in about one step per
 op; exponential in the worst case (many concurrent ``info`` appends whose
 values were read, or of equal values). ``python -m jepsen_like.bench``
-(one core, 16 keys, 5 % info, 20 clients per key, half appends and half
-linearizable reads; check only, reading the file is about a third more):
-25,000 ops 0.7 s, 50,000 1.4 s, 100,000 3.1 s, 200,000 6.8 s, 400,000
-17 s. The memo's big-int keys make the per-key cost grow slightly faster
-than linearly (about x2.2 per doubling). The budget
+(check only, one core; reading the file costs about half as much again):
+the default *contended* profile (3 keys, 12 clients per key, 12 % info,
+head reads of 2-8 entries with ``end=false`` when more follow, info effects
+landing after the client gave up; mean overlap 20 ops): 50,000 ops 1.2 s,
+100,000 3.3 s, 200,000 7.4 s; 100,000 ops with 20 % info and 24 clients
+per key (overlap 43) 4.9 s. The *legacy* profile (16 keys, 20 clients,
+5 % info, reads of 8): 25,000 ops 0.7 s, 50,000 1.4 s, 100,000 3.1 s,
+200,000 6.8 s, 400,000 17 s. The memo's big-int keys make the per-key cost
+grow slightly faster than linearly (about x2.2 per doubling). The budget
 (``max_states`` explored and ``max_seconds`` per key) bounds the search:
 when spent, the key's verdict is ``unknown`` — never ``valid`` or
 ``invalid`` by guess.

@@ -91,6 +91,15 @@ SHAPES: dict[str, tuple[str, ...]] = {
 }
 
 
+# Scheduled shapes that aim at the leader: they wait for one to exist.
+_AIMS_AT_LEADER: dict[str, set[str | None]] = {
+    "kill": {"leader"},
+    "pause": {"leader"},
+    "partition": {"isolate-leader", "leader-minority"},
+    "clock": {"step"},
+}
+
+
 def parse_schedule(text: str) -> list[tuple[str, str | None]]:
     """``kill:all,pause:leader,clock`` -> [(kind, shape or None), ...]; ValueError if unknown."""
     out: list[tuple[str, str | None]] = []
@@ -185,6 +194,8 @@ class Nemesis:
         """Start one fault; ``shape`` forces a shape (a schedule step), else round robin."""
         assert self._open is None
         leader = await self.c.leader()
+        if leader is None and shape in _AIMS_AT_LEADER.get(kind, set()):
+            leader = await self._await_leader(kind, shape)
         k = self.count.get(kind, 0)
         self.count[kind] = k + 1
         forced = shape
@@ -292,6 +303,18 @@ class Nemesis:
         self._record("stop", kind, targets, **extra)
         self.events.append({"kind": kind, "targets": targets, **info})
         self.log(f"nemesis stop  {kind} {targets}")
+
+    async def _await_leader(self, kind: str, shape: str | None, wait_s: float = 10.0) -> int | None:
+        """A shape aimed at the leader right after a fault that left none
+        (a kill of a majority, say) would hit a random node: wait for one."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+            leader = await self.c.leader()
+            if leader is not None:
+                return leader
+        self.log(f"no leader within {wait_s:.0f} s for {kind}:{shape or '*'}: a random target")
+        return None
 
     # -- partitions --------------------------------------------------------------------
     def _grudge(self, shape: str, leader: int | None) -> tuple[dict[int, set[int]], list[int]]:

@@ -377,8 +377,15 @@ class Workload:
         while not self.stop.is_set():
             if pos is None:
                 self.w.invoke(process, "seek", key_of(q), offset=0, group=GROUP)
+                # Linearizable: a committed read may come from a replica still
+                # catching up (just resumed or restarted) and show an older
+                # committed offset, which the queue checker would take for an
+                # offset regression.
                 r = await self.http.call(
-                    "GET", f"/v1/groups/{GROUP}/offsets?topic={TOPIC}", rng=rng
+                    "GET",
+                    f"/v1/groups/{GROUP}/offsets?topic={TOPIC}&consistency=linearizable"
+                    f"&timeout_ms={self.timeout_ms}",
+                    rng=rng,
                 )
                 st = read_outcome(r)
                 if st != "ok":

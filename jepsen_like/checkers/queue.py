@@ -25,7 +25,9 @@ key:
 * ``offset-regression``: a consumer group's committed offset, read back
   by an ``ok`` ``seek`` that names the group, is below an offset the
   group committed (``ok`` ``commit_offset``) before that seek was invoked
-  (SCENARIOS 15: offsets committed through the log never jump back).
+  (SCENARIOS 15: offsets committed through the log never jump back). The
+  seek must read the offsets linearizably (the harness does): a committed
+  read may come from a replica still catching up.
 * ``non-contiguous-read``: a read, final read or poll whose result is not a
   contiguous run of offsets starting at the offset it asked for (offsets 0
   and 2 without 1): no state of a log returns that, whatever the consistency.

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     r.add_argument("--producers", type=int, default=4, help="legacy mix only")
     r.add_argument("--readers", type=int, default=2, help="legacy mix only")
-    r.add_argument("--pollers", type=int, default=2)
+    r.add_argument("--pollers", type=int, default=3, help="consumer-group pollers, one per queue")
     r.add_argument(
         "--schedule",
         type=_schedule,

@@ -222,10 +222,10 @@ class Workload:
         else:
             await asyncio.sleep(rng.uniform(0.002, 0.02))
 
-    def _deadline(self, rng: random.Random) -> float | None:
+    def _deadline(self, rng: random.Random, extra_s: float = 0.0) -> float | None:
         if self.client_timeout_s is None:
             return None
-        return rng.uniform(*self.client_timeout_s)
+        return extra_s + rng.uniform(*self.client_timeout_s)
 
     # -- produce -----------------------------------------------------------------
     async def _register(self, rng: random.Random) -> tuple[int, int] | None:
@@ -405,6 +405,7 @@ class Workload:
                 f"/v1/topics/{TOPIC}/queues/{q}/messages?offset={pos}&max_messages=16"
                 f"&encoding=utf-8&wait_ms=200",
                 rng=rng,
+                timeout_s=self._deadline(rng, extra_s=0.2),  # on top of the long poll
             )
             if r.status == 416:
                 self._complete("ok", process, "poll", value=[], node=r.node)
@@ -436,6 +437,7 @@ class Workload:
                     f"/v1/groups/{GROUP}/offsets?timeout_ms={self.timeout_ms}",
                     json={"offsets": [{"topic": TOPIC, "queue": q, "offset": pos}]},
                     rng=rng,
+                    timeout_s=self._deadline(rng),
                 )
                 st = write_outcome(r)
                 self._complete(st, process, "commit_offset", error=None if st == "ok" else _err(r))

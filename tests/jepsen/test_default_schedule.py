@@ -5,9 +5,11 @@ Each case is ``python -m jepsen_like run --nemesis all --time-limit 60
 (kill of a majority, kill of all nodes, a partition leaving the leader in a
 minority, a leader pause, a clock step, in a seeded order) and the default
 contended workload must be enough. One seed per bug (the issue's
-acceptance runs used seeds 1-5). Five runs of about 100 s each (60 s of
-load, start-up, recovery, final reads and checking): about 9 minutes on 2
-cores. Needs root and network namespaces (partitions); skipped otherwise.
+acceptance runs used seeds 1-5). Five runs of about 75 s each (60 s of
+load, start-up, recovery, final reads and checking): 6.5 minutes on 2
+shared cores (8.4 minutes measured while other runs held the machine lock
+part of the time). Needs root and network namespaces (partitions); skipped
+otherwise.
 Deselect with ``-m 'not jepsen'``.
 """
 

@@ -379,3 +379,37 @@ def test_a_replica_rebuilt_from_an_empty_directory_is_caught_up() -> None:
     net.deliver_all()
     assert net.nodes[3].log.last_index() == lead.log.last_index()
     assert net.nodes[3].log.committed == lead.log.committed
+
+
+def test_a_leader_removing_itself_tells_the_others_the_removal_committed() -> None:
+    """Voters {1,2}; leader 1 removes itself. The appends that would tell 2
+    the removal committed are lost; as 1 applies the removal and steps down
+    it still tells 2 (a heartbeat with the commit index), so 2, now the only
+    voter, can elect itself although 1 is shut down at once."""
+    net = Network.of((1, 2))
+    net.elect(1)
+    idx = net.nodes[1].propose_conf_change(ConfChange(ConfChangeType.REMOVE_NODE, 1))
+    held: list[Message] = []
+
+    def lose_commit(m: Message) -> bool:
+        if m.frm == 1 and m.commit >= idx:
+            if m.type is MsgType.HEARTBEAT:
+                held.append(m)  # what 1 says as it steps down (no ticks here)
+            return True
+        return False
+
+    net.intercept = lose_commit
+    for _ in range(50):
+        if net.nodes[1].config.voters == (2,):
+            break
+        net.deliver_all()
+    assert net.nodes[1].config.voters == (2,)
+    assert net.nodes[2].log.committed < idx  # the appends with the commit were lost
+    net.intercept = None
+    del net.nodes[1]  # shut down at once
+    net.send(*held)
+    net.deliver_all()
+    two = net.nodes[2]
+    assert two.log.committed >= idx and two.config.voters == (2,)
+    net.tick((2,), times=3 * E)
+    assert two.role is Role.LEADER

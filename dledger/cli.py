@@ -3,6 +3,7 @@
     dledger node --cluster FILE --id ID [--secret S] [--log-level info]
     dledger cluster up [--nodes 3|5] [--learners K] [--dir DIR] [--secret S]
     dledger cluster status [--dir DIR] [--json]
+    dledger cluster endpoints [--dir DIR]       # host:port,host:port,... (HTTP)
     dledger cluster down [--dir DIR]
     dledger cluster kill ID [--signal KILL|TERM|STOP|CONT] [--dir DIR]
     dledger cluster restart ID [--dir DIR]
@@ -198,8 +199,11 @@ def cmd_cluster_status(args: argparse.Namespace) -> int:
         sys.stdout.write(orjson.dumps({str(k): v for k, v in statuses.items()}).decode() + "\n")
         return EXIT_OK if any(statuses.values()) else EXIT_FAILURE
     print(f"cluster {lc.spec.cluster_id!r} in {lc.dir}")
+    role_w = max(
+        len("pre_candidate"), *(len(str((st or {}).get("role", ""))) for st in statuses.values())
+    )
     print(
-        f"  {'id':>3} {'role':<10} {'pid':>7} {'term':>5} {'leader':>6} {'commit':>8} "
+        f"  {'id':>3} {'role':<{role_w}} {'pid':>7} {'term':>5} {'leader':>6} {'commit':>8} "
         f"{'applied':>8} {'last':>8}  http"
     )
     for m in lc.spec.members:
@@ -208,15 +212,28 @@ def cmd_cluster_status(args: argparse.Namespace) -> int:
         if st is None:
             state = "down" if pid == "-" else "no answer"
             print(
-                f"  {m.id:>3} {state:<10} {pid:>7} {'':>5} {'':>6} {'':>8} {'':>8} {'':>8}  "
+                f"  {m.id:>3} {state:<{role_w}} {pid:>7} {'':>5} {'':>6} {'':>8} {'':>8} {'':>8}  "
                 f"{m.http_address}"
             )
             continue
         print(
-            f"  {m.id:>3} {st['role']:<10} {pid:>7} {st['term']:>5} {st['leader'] or '-':>6} "
+            f"  {m.id:>3} {st['role']:<{role_w}} {pid:>7} {st['term']:>5} {st['leader'] or '-':>6} "
             f"{st['commit']:>8} {st['applied']:>8} {st['last_index']:>8}  {m.http_address}"
         )
     return EXIT_OK if any(statuses.values()) else EXIT_FAILURE
+
+
+def cmd_cluster_endpoints(args: argparse.Namespace) -> int:
+    lc = LocalCluster(args.dir)
+    if not lc.cluster_path.exists():
+        print(
+            f"dledger cluster endpoints: no cluster file {lc.cluster_path} "
+            "(start a cluster with `dledger cluster up`)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+    print(lc.endpoints())
+    return EXIT_OK
 
 
 def cmd_cluster_down(args: argparse.Namespace) -> int:
@@ -282,6 +299,14 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print the raw status documents")
     st.set_defaults(func=cmd_cluster_status)
 
+    with_dir(
+        csub.add_parser(
+            "endpoints",
+            help="print every node's HTTP address, comma-separated (for --endpoints, "
+            "$DLEDGER_ENDPOINTS or Spark's endpoints option)",
+        )
+    ).set_defaults(func=cmd_cluster_endpoints)
+
     with_dir(csub.add_parser("down", help="stop every node (SIGTERM, then SIGKILL)")).set_defaults(
         func=cmd_cluster_down
     )
@@ -299,8 +324,27 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _mark_usage(p: argparse.ArgumentParser) -> None:
+    """Every subcommand's parser records itself, so that an unknown flag is
+    reported with that subcommand's usage, not the top level's."""
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sp in action.choices.values():
+                sp.set_defaults(usage_parser=sp)
+                _mark_usage(sp)
+
+
+def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    _mark_usage(p)
+    args, rest = p.parse_known_args(argv)
+    if rest:
+        leaf: argparse.ArgumentParser = getattr(args, "usage_parser", None) or p
+        leaf.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parse(_parser(), argv)
     if args.command in ("produce", "consume", "topics"):
         return client_cli.run(args)
     if args.command == "cluster":

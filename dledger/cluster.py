@@ -220,6 +220,12 @@ class LocalCluster:
     def http(self, node_id: int) -> str:
         return self.member(node_id).http_address
 
+    def endpoints(self) -> str:
+        """Every member's HTTP ``host:port``, comma-separated: what
+        ``--endpoints``, ``$DLEDGER_ENDPOINTS`` and Spark's ``endpoints``
+        option take."""
+        return ",".join(m.http_address for m in self.spec.members)
+
     def log_path(self, node_id: int) -> Path:
         return self.dir / f"node-{node_id}.log"
 

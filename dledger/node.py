@@ -1175,8 +1175,14 @@ class Node:
     # helpers
     # ======================================================================
     def _addresses(self, conf: ClusterConfig) -> dict[int, tuple[str, int]]:
+        """The transport's peers: every member of the configuration, and
+        every other node of the cluster file. A node that has not yet applied
+        the change that added the current leader (a new learner replaying, a
+        restart from an old snapshot) must still accept that leader's
+        connection, or it could never catch up (found by the simulator)."""
         out: dict[int, tuple[str, int]] = {}
-        for nid in conf.members():
+        known = set(conf.members()) | {m.id for m in self.cfg.members}
+        for nid in sorted(known):
             if nid == self.cfg.node_id:
                 continue
             m = self.cfg.member(nid)

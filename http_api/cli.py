@@ -42,6 +42,7 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 PRODUCE_BATCH = 100
+DEFAULT_TIMEOUT_S = 5.0
 
 
 class UsageError(Exception):
@@ -69,10 +70,13 @@ def endpoints(arg: str | None, cluster_dir: str) -> list[str]:
 
 
 def _client(args: argparse.Namespace) -> Client:
+    # --timeout bounds each request, retries included (a long poll gets its
+    # wait on top), so an unreachable cluster is reported within it.
+    budget = args.timeout + getattr(args, "wait_ms", 0) / 1000
     return Client(
         endpoints(args.endpoints, args.dir),
-        timeout_s=args.timeout,
-        retry_for_s=args.timeout,
+        timeout_s=budget,
+        retry_for_s=budget,
         token=args.token,  # None: $DLEDGER_TOKEN
     )
 
@@ -124,7 +128,6 @@ def cmd_produce(args: argparse.Namespace) -> int:
     client = _client(args)
     producer = client.producer()
     out = sys.stdout
-    _print_row(out, MESSAGE_HEADER)
     batch: list[bytes] = []
     total = 0
 
@@ -132,8 +135,11 @@ def cmd_produce(args: argparse.Namespace) -> int:
         nonlocal total
         if not batch:
             return
-        msgs = [OutMessage(v, tags=args.tag or "") for v in batch]
+        keys = (args.key,) if args.key else ()
+        msgs = [OutMessage(v, tags=args.tag or "", keys=keys) for v in batch]
         acks = producer.send(args.topic, msgs, queue=args.queue, sharding_key=args.key)
+        if total == 0:  # the header only once something was written: errors come alone
+            _print_row(out, MESSAGE_HEADER)
         for v, a in zip(batch, acks, strict=True):
             _print_row(out, (a.queue, a.queue_offset, a.commit_offset, a.msg_id, show_value(v)))
         total += len(batch)
@@ -264,7 +270,13 @@ def _common(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument("--dir", default=DEFAULT_DIR, help=f"local cluster directory ({DEFAULT_DIR})")
     p.add_argument("--token", help="bearer token (default: $DLEDGER_TOKEN)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds to keep retrying")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help="give up on a request after this many seconds, retries across nodes and "
+        f"leader changes included (default {DEFAULT_TIMEOUT_S:g})",
+    )
     return p
 
 
@@ -274,7 +286,11 @@ def add_commands(sub: Any) -> None:
     pr.add_argument("topic")
     pr.add_argument("values", nargs="*", help="message values (UTF-8)")
     pr.add_argument("--file", help="one message per line ('-': stdin)")
-    pr.add_argument("--key", help="sharding key: every message goes to its queue")
+    pr.add_argument(
+        "--key",
+        help="message key: every message with the same key goes to the same queue "
+        "(the key is the sharding key and is stored as the message's keys)",
+    )
     pr.add_argument("--queue", type=int, help="explicit queue")
     pr.add_argument("--tag", help="tag for every message")
     pr.set_defaults(func=cmd_produce)

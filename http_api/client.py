@@ -42,7 +42,8 @@ class ApiError(Exception):
     other fields in ``details`` (e.g. ``field``, ``min_offset``)."""
 
     def __init__(self, status: int, code: str, message: str, details: dict[str, Any]) -> None:
-        super().__init__(f"{status} {code}: {message}")
+        # status 0: no HTTP answer at all (refused, timed out, connection lost)
+        super().__init__(f"{status} {code}: {message}" if status else f"{code}: {message}")
         self.status = status
         self.code = code
         self.details = details
@@ -207,6 +208,15 @@ def _consume_path(
     return f"/v1/topics/{topic}/queues/{queue}/messages?{urllib.parse.urlencode(q)}"
 
 
+def _describe(exc: BaseException) -> str:
+    """A connection failure in words: ``timed out``, ``connection reset``, ..."""
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower()
+    return str(exc) or type(exc).__name__
+
+
 def queue_for_key(key: str, queues: int) -> int:
     """The broker's queue for a sharding key (same hash as the state machine)."""
     return zlib.crc32(key.encode("utf-8")) % queues
@@ -240,16 +250,24 @@ class Client:
         deadline = time.monotonic() + self.retry_for_s
         address = self._current
         k = 0
+        last = ""  # why the last attempt failed, for the error a person reads
         while True:
+            # No single attempt outlives the retry budget: a node that never
+            # answers costs at most what is left of it.
+            attempt_s = min(self.timeout_s, max(0.2, deadline - time.monotonic()))
             try:
-                status, headers, raw = self._once(address, method, path, data)
+                status, headers, raw = self._once(address, method, path, data, attempt_s)
             except ConnectionRefusedError:
                 status, headers, raw = 0, {}, b""
+                last = f"connection refused at {address}"
             except (OSError, http.client.HTTPException) as exc:
                 if not safe:
-                    raise OutcomeUnknownError(0, "CONNECTION", repr(exc), {}) from None
+                    raise OutcomeUnknownError(
+                        0, "CONNECTION", f"{address}: {_describe(exc)}", {}
+                    ) from None
                 self.resent_after_unknown += 1
                 status, headers, raw = 0, {}, b""
+                last = f"{address}: {_describe(exc)}"
             if status == 307 and "location" in headers:
                 address = urllib.parse.urlsplit(headers["location"]).netloc
                 continue
@@ -261,19 +279,36 @@ class Client:
                 self.resent_after_unknown += 1
                 status = 503
             if status in (0, *RETRY_STATUSES):
+                if status:
+                    last = f"{address} answered {status}"
+                    if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+                        last += f" {parsed['error'].get('code', '')}".rstrip()
                 if time.monotonic() > deadline:
-                    raise UnavailableError(status, "UNAVAILABLE", f"{method} {path}", {})
+                    raise UnavailableError(
+                        status,
+                        "UNAVAILABLE",
+                        f"{method} {path}: gave up after {self.retry_for_s:g} s; "
+                        f"last attempt: {last}",
+                        {"last_error": last},
+                    )
                 k += 1
                 address = self.addresses[k % len(self.addresses)]
-                time.sleep(min(0.5, 0.05 * k))
+                time.sleep(min(0.5, 0.05 * k, max(0.0, deadline - time.monotonic())))
                 continue
             raise _error(status, parsed)
 
     def _once(
-        self, address: str, method: str, path: str, data: bytes | None
+        self,
+        address: str,
+        method: str,
+        path: str,
+        data: bytes | None,
+        timeout_s: float | None = None,
     ) -> tuple[int, dict[str, str], bytes]:
         host, _, port = address.rpartition(":")
-        conn = http.client.HTTPConnection(host, int(port), timeout=self.timeout_s)
+        conn = http.client.HTTPConnection(
+            host, int(port), timeout=self.timeout_s if timeout_s is None else timeout_s
+        )
         try:
             headers = dict(self._auth)
             if data is not None:
@@ -324,7 +359,11 @@ class Client:
         self.request("POST", f"/v1/groups/{group}/offsets", body, safe=True)
 
     def offsets(self, group: str, topic: str | None = None) -> dict[tuple[str, int], int]:
-        path = f"/v1/groups/{group}/offsets" + (f"?topic={topic}" if topic else "")
+        # Linearizable (from the leader): a lagging replica could return an
+        # offset older than the group's last commit, and the group re-read.
+        path = f"/v1/groups/{group}/offsets?consistency=linearizable" + (
+            f"&topic={topic}" if topic else ""
+        )
         res = self.request("GET", path, safe=True)
         return {(o["topic"], o["queue"]): o["offset"] for o in res["offsets"]}
 
@@ -507,6 +546,10 @@ class AsyncClient:
         await self.request("POST", f"/v1/groups/{group}/offsets", body, safe=True)
 
     async def offsets(self, group: str, topic: str | None = None) -> dict[tuple[str, int], int]:
-        path = f"/v1/groups/{group}/offsets" + (f"?topic={topic}" if topic else "")
+        # Linearizable (from the leader): a lagging replica could return an
+        # offset older than the group's last commit, and the group re-read.
+        path = f"/v1/groups/{group}/offsets?consistency=linearizable" + (
+            f"&topic={topic}" if topic else ""
+        )
         res = await self.request("GET", path, safe=True)
         return {(o["topic"], o["queue"]): o["offset"] for o in res["offsets"]}

@@ -2,7 +2,11 @@
 
     python -m jepsen_like run --nodes 3|5 [--learners N]
         --nemesis all|kill,pause,partition,clock,corrupt|none
-        --time-limit S --out DIR [--seed N]
+        --time-limit S --out DIR [--seed N] [--schedule kill:all,pause:leader,...]
+        [--clients-per-queue N] [--client-timeout MIN_S MAX_S]
+    python -m jepsen_like check HISTORY.jsonl [--json]
+
+``check`` prints the same VERDICT line and summary table as ``run``.
 
 Exit status of ``run``: 0 when every checker is valid, 1 invalid, 2 unknown,
 3 the harness itself failed (cluster never ready, ...), 130 interrupted.
@@ -16,7 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from jepsen_like.nemesis import ALL_KINDS
+from jepsen_like.nemesis import ALL_KINDS, parse_schedule
 from jepsen_like.runner import RunConfig, Runner
 
 
@@ -32,45 +36,134 @@ def _kinds(s: str) -> list[str]:
     return out
 
 
+def _schedule(s: str) -> list[tuple[str, str | None]]:
+    if s == "none":
+        return []
+    try:
+        return parse_schedule(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jepsen_like")
     sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="run the harness against a fresh local cluster")
-    r.add_argument("--nodes", type=int, choices=[3, 5], default=3)
-    r.add_argument("--learners", type=int, default=0)
-    r.add_argument("--nemesis", type=_kinds, default=list(ALL_KINDS))
-    r.add_argument("--time-limit", type=float, default=60.0)
-    r.add_argument("--out", type=Path, default=Path("jepsen-out"))
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--queues", type=int, default=4)
-    r.add_argument("--producers", type=int, default=4)
-    r.add_argument("--readers", type=int, default=2)
-    r.add_argument("--pollers", type=int, default=2)
-    r.add_argument("--fault-seconds", type=float, nargs=2, default=(2.5, 5.0))
-    r.add_argument("--quiet-seconds", type=float, nargs=2, default=(2.0, 4.0))
+    r = sub.add_parser(
+        "run",
+        help="run the harness against a fresh local cluster",
+        description="Start a fresh cluster, run clients while nemeses inject faults, heal, "
+        "read everything back, and check the history. Writes history.jsonl, results.json "
+        "and report.html to --out. Exit status: 0 valid, 1 invalid, 2 unknown, 3 the "
+        "harness failed. Partitions need root and `ip netns` (else the nodes run on "
+        "127.0.0.1 and partition is skipped); the clock nemesis needs libfaketime.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    r.add_argument("--nodes", type=int, choices=[3, 5], default=3, help="voters")
+    r.add_argument(
+        "--learners",
+        type=int,
+        default=1,
+        help="non-voting replicas (1: with 3 voters the leader-minority partition keeps the "
+        "leader with the learner, which replicates entries that never commit)",
+    )
+    r.add_argument(
+        "--nemesis",
+        type=_kinds,
+        default="all",
+        metavar="KINDS",
+        help="faults to inject, in turn: 'all', 'none', or a comma-separated list of "
+        f"{', '.join(ALL_KINDS)} (kill: SIGKILL nodes; pause: SIGSTOP them; partition: "
+        "iptables rules between namespaces; clock: restart a node with a skewed or "
+        "strobing clock; corrupt: damage a stopped node's data file, rebuild it)",
+    )
+    r.add_argument(
+        "--time-limit", type=float, default=60.0, metavar="S", help="seconds of load and faults"
+    )
+    r.add_argument("--out", type=Path, default=Path("jepsen-out"), help="output directory")
+    r.add_argument("--seed", type=int, default=0, help="seed of the fault schedule and targets")
+    r.add_argument("--queues", type=int, default=3, help="queues of the test topic")
+    r.add_argument(
+        "--clients-per-queue",
+        type=int,
+        default=12,
+        help="contended workload: clients of each queue (half producers, a third of them "
+        "idempotent; the rest read at the head); 0: the legacy --producers/--readers mix",
+    )
+    r.add_argument(
+        "--client-timeout",
+        type=float,
+        nargs=2,
+        default=(0.1, 0.6),
+        metavar=("MIN_S", "MAX_S"),
+        help="per-op client deadline drawn from this range (ops cut off end info)",
+    )
+    r.add_argument(
+        "--producers", type=int, default=4, help="producer clients (legacy mix only)"
+    )
+    r.add_argument("--readers", type=int, default=2, help="clients reading by offset (legacy mix)")
+    r.add_argument("--pollers", type=int, default=3, help="consumer-group pollers, one per queue")
+    r.add_argument(
+        "--schedule",
+        type=_schedule,
+        default=None,
+        metavar="KIND[:SHAPE],...",
+        help="faults to make first, in order, e.g. kill:all,partition:leader-minority,"
+        "pause:leader,clock:step (then round robin over --nemesis); default: kill:majority, "
+        "kill:all, partition:leader-minority, pause:leader, clock:step in an order drawn "
+        "from --seed; 'none' for the round robin alone",
+    )
+    r.add_argument(
+        "--fault-seconds",
+        type=float,
+        nargs=2,
+        default=(2.5, 5.0),
+        metavar=("MIN", "MAX"),
+        help="how long each fault lasts (uniform between MIN and MAX)",
+    )
+    r.add_argument(
+        "--quiet-seconds",
+        type=float,
+        nargs=2,
+        default=(2.0, 4.0),
+        metavar=("MIN", "MAX"),
+        help="quiet time between faults",
+    )
     r.add_argument(
         "--fault",
         action="append",
         default=[],
-        help="planted bug to switch on in every node (tests)",
+        metavar="NAME",
+        help="planted bug to switch on in every node, to see a checker fail (tests): "
+        "ack_before_commit, lin_read_no_lease, skip_fsync, follower_reads_uncommitted",
     )
-    r.add_argument("--no-netns", action="store_true", help="run nodes on 127.0.0.1")
+    r.add_argument(
+        "--no-netns",
+        action="store_true",
+        help="run nodes on 127.0.0.1 even when network namespaces are available",
+    )
     r.add_argument(
         "--shapes",
         action="append",
         default=[],
         metavar="KIND=S1,S2",
-        help="restrict a nemesis to these shapes, e.g. kill=majority,all partition=halves",
+        help="restrict a nemesis to these shapes, e.g. kill=majority,all partition=halves "
+        "(kill/pause: leader, one, minority, majority, all; partition: isolate-leader, "
+        "isolate-one, halves, bridge, majorities-ring, leader-minority; clock: skew, strobe)",
     )
-    c = sub.add_parser("check", help="run the checkers on a history file")
+    c = sub.add_parser(
+        "check",
+        help="run the checkers on a history file (the VERDICT line and table; --json: raw JSON;"
+        " other options as python -m jepsen_like.checkers)",
+    )
     c.add_argument("history")
+    c.add_argument("--json", action="store_true", help="print the results as JSON")
     args, rest = p.parse_known_args(argv)
     if args.cmd == "check":
         from jepsen_like.checkers.__main__ import main as check_main
 
-        return check_main([args.history, *rest])
+        return check_main([args.history, *rest, *([] if args.json else ["--human"])])
     if rest:
-        p.error(f"unrecognized arguments: {' '.join(rest)}")
+        r.error(f"unrecognized arguments: {' '.join(rest)}")
     shapes: dict[str, list[str]] = {}
     for spec in args.shapes:
         kind, _, rest = spec.partition("=")
@@ -95,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         node_env=env,
         use_netns=not args.no_netns,
         shapes=shapes,
+        clients_per_queue=args.clients_per_queue,
+        client_timeout_s=tuple(args.client_timeout),
+        schedule=args.schedule,
     )
     try:
         return Runner(cfg).run()

@@ -1,7 +1,8 @@
 """Checker speed on generated histories (a benchmark, not a test).
 
-    python -m jepsen_like.bench [--ops 100000] [--keys 16] [--info 0.05]
-        [--concurrency 20] [--growth 25000,50000,100000,200000] [--seed 1]
+    python -m jepsen_like.bench [--ops 100000] [--profile contended|legacy]
+        [--keys K] [--info F] [--concurrency C]
+        [--growth 25000,50000,100000,200000] [--seed 1]
 
 :func:`generate` simulates ``concurrency`` clients per key against a real
 linearizable log: each op takes effect at one instant inside its
@@ -27,13 +28,25 @@ from typing import Any
 
 from jepsen_like.checkers import linearizable, queue
 from jepsen_like.checkers.linearizable import LinConfig
+from jepsen_like.checkers.load import load
 from jepsen_like.history import History, parse_history
 
 
 def generate(
-    n_ops: int, *, keys: int = 16, info: float = 0.05, concurrency: int = 20, seed: int = 1
+    n_ops: int,
+    *,
+    keys: int = 16,
+    info: float = 0.05,
+    concurrency: int = 20,
+    seed: int = 1,
+    contended: bool = False,
 ) -> list[str]:
-    """JSONL lines of a valid history of about ``n_ops`` operations."""
+    """JSONL lines of a valid history of about ``n_ops`` operations.
+
+    ``contended`` mimics the harness's contended workload (issue 18): reads
+    at the head of the log with small limits (``end=false`` when more
+    entries follow), and an ``info`` produce that happened may take effect
+    after its client gave up (up to 5 ms of simulated time later)."""
     rng = random.Random(seed)
     per_key = max(1, n_ops // keys)
     events: list[tuple[int, int, dict[str, Any]]] = []
@@ -46,6 +59,7 @@ def generate(
         clients = [(rng.randint(0, 1000), proc + c) for c in range(concurrency)]
         proc += concurrency
         heap: list[tuple[int, int, int, int]] = []  # (effect_t, seq, client, invoke_t)
+        late: dict[int, str] = {}  # seq -> value of a deferred info effect (client -1)
         seq = 0
         for t, c in clients:
             heapq.heappush(heap, (t + rng.randint(100, 3000), seq, c, t))
@@ -53,6 +67,9 @@ def generate(
         made = 0
         while made < per_key and heap:
             eff, _, c, inv = heapq.heappop(heap)
+            if c < 0:  # a late effect of an info produce
+                log.append(late.pop(inv))
+                continue
             comp = eff + rng.randint(100, 3000)
             unknown = rng.random() < info
             if rng.random() < 0.5:
@@ -62,7 +79,11 @@ def generate(
                     "type": "invoke", "process": c, "f": "produce", "key": key, "value": value,
                 }  # fmt: skip
                 events.append((inv, 0, rec))
-                if happened:
+                if happened and unknown and contended and rng.random() < 0.5:
+                    late[seq] = value
+                    heapq.heappush(heap, (comp + rng.randint(0, 5000), seq, -1, seq))
+                    seq += 1
+                elif happened:
                     log.append(value)
                 if unknown:
                     events.append((comp, 1, {"type": "info", "process": c, "f": "produce"}))
@@ -72,18 +93,19 @@ def generate(
                                    "offset": len(log) - 1})
                     )  # fmt: skip
             else:
-                start = max(0, len(log) - rng.randint(0, 4))
-                res = [[o, log[o]] for o in range(start, min(len(log), start + 8))]
+                limit = rng.choice((2, 4, 8)) if contended else 8
+                start = max(0, len(log) - rng.randint(-1 if contended else 0, 4))
+                res = [[o, log[o]] for o in range(start, min(len(log), start + limit))]
                 events.append(
                     (inv, 0, {"type": "invoke", "process": c, "f": "read", "key": key,
-                              "offset": start, "consistency": "linearizable", "limit": 8})
+                              "offset": start, "consistency": "linearizable", "limit": limit})
                 )  # fmt: skip
                 if unknown:
                     events.append((comp, 1, {"type": "info", "process": c, "f": "read"}))
                 else:
                     events.append(
                         (comp, 1, {"type": "ok", "process": c, "f": "read", "value": res,
-                                   "end": len(res) < 8})
+                                   "end": start + len(res) >= len(log)})
                     )  # fmt: skip
             made += 1
             nxt = comp + rng.randint(1, 500)
@@ -98,7 +120,12 @@ def generate(
 
 def measure(n_ops: int, args: argparse.Namespace) -> dict[str, Any]:
     lines = generate(
-        n_ops, keys=args.keys, info=args.info, concurrency=args.concurrency, seed=args.seed
+        n_ops,
+        keys=args.keys,
+        info=args.info,
+        concurrency=args.concurrency,
+        seed=args.seed,
+        contended=args.profile == "contended",
     )
     t0 = time.process_time()
     h: History = parse_history(lines)
@@ -108,9 +135,14 @@ def measure(n_ops: int, args: argparse.Namespace) -> dict[str, Any]:
     q = queue.check(h)
     t3 = time.process_time()
     n_info = sum(op.status == "info" for op in h.ops)
+    ld = load(h)
     return {
+        "profile": args.profile,
         "ops": len(h.ops),
         "info_ops": n_info,
+        "info_share": ld["info_share"],
+        "mean_overlap": ld["mean_overlap"],
+        "mean_overlap_lin": ld["mean_overlap_lin"],
         "keys": args.keys,
         "read_s": round(t1 - t0, 3),
         "linearizable_s": round(t2 - t1, 3),
@@ -123,12 +155,27 @@ def measure(n_ops: int, args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jepsen_like.bench", description=__doc__)
     p.add_argument("--ops", type=int, default=100_000)
-    p.add_argument("--keys", type=int, default=16)
-    p.add_argument("--info", type=float, default=0.05)
-    p.add_argument("--concurrency", type=int, default=20)
+    p.add_argument(
+        "--profile",
+        choices=("contended", "legacy"),
+        default="contended",
+        help="contended (default): the harness's contended workload, 3 keys x 12 clients, "
+        "12%% info, head reads with end=false, late info effects; legacy: 16 keys x 20 "
+        "clients, 5%% info, reads of 8 near the end",
+    )
+    p.add_argument("--keys", type=int, default=None)
+    p.add_argument("--info", type=float, default=None)
+    p.add_argument("--concurrency", type=int, default=None)
     p.add_argument("--growth", default="", help="comma-separated op counts to measure too")
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
+    contended = args.profile == "contended"
+    if args.keys is None:
+        args.keys = 3 if contended else 16
+    if args.info is None:
+        args.info = 0.12 if contended else 0.05
+    if args.concurrency is None:
+        args.concurrency = 12 if contended else 20
     sizes = sorted({args.ops, *(int(x) for x in args.growth.split(",") if x)})
     rows = []
     for n in sizes:

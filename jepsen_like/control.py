@@ -94,6 +94,9 @@ def _save_pids(pids: dict[str, dict[str, int]]) -> None:
     tmp.replace(PIDS_FILE)
 
 
+LOCK_FD_ENV = "JEPSEN_LIKE_LOCK_FD"
+
+
 class RunLock:
     """One harness run per machine: namespaces, the bridge and the PID file
     are machine-wide, and a run's start-up cleanup would destroy a live
@@ -102,9 +105,23 @@ class RunLock:
 
     def __init__(self) -> None:
         self._fh: Any = None
+        self._inherited = False
 
     def acquire(self, wait_s: float, log: Any) -> bool:
         STATE_DIR.mkdir(parents=True, exist_ok=True)
+        inherited = os.environ.get(LOCK_FD_ENV)
+        if inherited and inherited.isdigit():
+            # A parent (a test) took the lock before starting its clock and
+            # passed its descriptor: flock on the same open file succeeds.
+            with contextlib.suppress(OSError):
+                fh = os.fdopen(os.dup(int(inherited)), "a+")
+                try:
+                    fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    fh.close()
+                else:
+                    self._fh, self._inherited = fh, True
+                    return True
         self._fh = open(STATE_DIR / "lock", "a+")  # noqa: SIM115 - held for the run
         deadline = time.monotonic() + wait_s
         said = False
@@ -127,10 +144,15 @@ class RunLock:
             self._fh.flush()
             return True
 
+    def fileno(self) -> int:
+        assert self._fh is not None, "not acquired"
+        return int(self._fh.fileno())
+
     def release(self) -> None:
         if self._fh is not None:
-            with contextlib.suppress(OSError):
-                fcntl.flock(self._fh.fileno(), fcntl.LOCK_UN)
+            if not self._inherited:  # the parent's lock stays the parent's
+                with contextlib.suppress(OSError):
+                    fcntl.flock(self._fh.fileno(), fcntl.LOCK_UN)
             self._fh.close()
             self._fh = None
 

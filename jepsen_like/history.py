@@ -39,7 +39,9 @@ Operation records (every line but the header and nemesis lines)::
   ``value``: the result, a list of ``[offset, value]`` pairs, expected to be
   contiguous from ``offset`` (``[]``: nothing there yet; a server that breaks
   that is an anomaly for the checkers, not a malformed history),
-  and ``end`` (bool: the result reaches the end of the visible log). When
+  and ``end`` (bool: the result reaches the end of the visible log;
+  ``false`` promises an entry past the last one returned, or past
+  ``offset`` for an empty result, which no log can give). When
   ``end`` is absent it is derived: ``true`` when fewer than ``limit``
   messages came back, or when an unlimited read came back empty. A client
   whose reads can also stop at a byte limit must set ``end`` itself.

@@ -2,6 +2,12 @@
 
 Theory of operation
 -------------------
+Schedule: a default run goes through :data:`REQUIRED` (kill of a majority,
+kill of all nodes, a partition leaving the leader in a minority, a leader
+pause longer than the election timeout, a clock step) in an order drawn
+from the seed, then round robin over the enabled kinds; ``--schedule``
+replaces the required list.
+
 A :class:`Nemesis` runs one fault at a time: ``start`` (record the window
 start in the history, then act), hold for a while, ``heal`` (act, then
 record the stop). Every fault is healed before the next one starts and
@@ -21,7 +27,8 @@ Kinds and shapes (targets are voters unless said otherwise):
   healed by flushing every namespace's INPUT chain.
 * ``clock`` (libfaketime): one node is restarted under ``LD_PRELOAD`` with
   its clocks offset (skew: wall and monotonic clocks both shifted by
-  -120..+120 s) or its wall clock strobing between two offsets; healed by
+  -120..+120 s), its wall clock strobing between two offsets, or (step, on
+  the leader) its wall clock stepped once by 30..300 s either way; healed by
   restarting it without. A monotonic clock that *jumps back* while running
   is outside the lease's fault model (bounded drift, DESIGN.md), so the
   strobe moves the wall clock only (``FAKETIME_DONT_FAKE_MONOTONIC``).
@@ -34,9 +41,14 @@ Kinds and shapes (targets are voters unless said otherwise):
   (2) the cluster's term has moved past every term the node could have voted
   in, so it cannot vote twice in one term. The nemesis waits for (1) by
   comparing the others' commit indexes with the leader's, and for (2) by
-  asking for a leadership transfer (which starts a new term) until the
-  leader's term is above the highest term it saw before the kill. Only
-  one node is ever corrupted at once.
+  asking for leadership transfers (each starts a new term) until the
+  leader's term is above every term seen since the node went down. That
+  leader was elected without the node, so it holds no stale progress for
+  it (a leader that heard the node before the wipe would only ever offer
+  it entries after its old position, which the empty node refuses). The
+  heal, and so the fault's window, ends once the rebuilt node has caught
+  up: its catch-up loads the leader and belongs to this fault. Only one
+  node is ever corrupted at once.
 """
 
 from __future__ import annotations
@@ -54,6 +66,77 @@ from jepsen_like.control import Cluster
 from jepsen_like.history import Writer
 
 ALL_KINDS = ("kill", "pause", "partition", "clock", "corrupt")
+
+# The shapes every default run goes through, in a seeded random order, before
+# the round robin over the kinds: between them they catch each planted bug
+# (dledger/faults.py). A kill of all nodes loses the unsynced tail where the
+# storage allows it; the leader-minority partition keeps the leader with the
+# learners (and, with 5 voters, one follower), which replicate entries that
+# never commit.
+REQUIRED: tuple[tuple[str, str], ...] = (
+    ("kill", "majority"),
+    ("kill", "all"),
+    ("partition", "leader-minority"),
+    ("pause", "leader"),
+    ("clock", "step"),
+)
+SHAPES: dict[str, tuple[str, ...]] = {
+    "kill": ("leader", "majority", "one", "minority", "all"),
+    "pause": ("leader", "majority", "one", "minority"),
+    "partition": (
+        "isolate-leader",
+        "halves",
+        "majorities-ring",
+        "bridge",
+        "isolate-one",
+        "leader-minority",
+    ),
+    "clock": ("skew", "strobe", "step"),
+    "corrupt": ("one",),
+}
+
+
+# Scheduled shapes that aim at the leader: they wait for one to exist.
+_AIMS_AT_LEADER: dict[str, set[str | None]] = {
+    "kill": {"leader"},
+    "pause": {"leader"},
+    "partition": {"isolate-leader", "leader-minority"},
+    "clock": {"step"},
+}
+
+
+def parse_schedule(text: str) -> list[tuple[str, str | None]]:
+    """``kill:all,pause:leader,clock`` -> [(kind, shape or None), ...]; ValueError if unknown."""
+    out: list[tuple[str, str | None]] = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        kind, _, shape = item.partition(":")
+        if kind not in ALL_KINDS:
+            raise ValueError(f"unknown nemesis kind {kind!r} (known: {', '.join(ALL_KINDS)})")
+        if shape and shape not in SHAPES[kind]:
+            raise ValueError(f"unknown {kind} shape {shape!r} (known: {', '.join(SHAPES[kind])})")
+        out.append((kind, shape or None))
+    return out
+
+
+def default_schedule(
+    kinds: list[str], rng: random.Random, shapes: dict[str, list[str]] | None = None
+) -> list[tuple[str, str | None]]:
+    """The required shapes whose kind is enabled (and not restricted to other
+    shapes by ``--shapes``), shuffled by the run's seed."""
+    only = shapes or {}
+    out: list[tuple[str, str | None]] = [
+        (k, s) for k, s in REQUIRED if k in kinds and (k not in only or s in only[k])
+    ]
+    rng.shuffle(out)
+    return out
+
+
+def format_schedule(schedule: list[tuple[str, str | None]], kinds: list[str]) -> str:
+    steps = " ".join(f"{i}.{k}:{s or '*'}" for i, (k, s) in enumerate(schedule, 1))
+    rr = ",".join(kinds) if kinds else "nothing"
+    return f"{steps or '(none)'}; then round robin over {rr}"
 
 
 class Nemesis:
@@ -112,13 +195,17 @@ class Nemesis:
         self.w.nemesis(f, kind, targets, **extra)  # type: ignore[arg-type]
 
     # -- one fault ---------------------------------------------------------------
-    async def start(self, kind: str) -> None:
+    async def start(self, kind: str, shape: str | None = None) -> None:
+        """Start one fault; ``shape`` forces a shape (a schedule step), else round robin."""
         assert self._open is None
         leader = await self.c.leader()
+        if leader is None and shape in _AIMS_AT_LEADER.get(kind, set()):
+            leader = await self._await_leader(kind, shape)
         k = self.count.get(kind, 0)
         self.count[kind] = k + 1
+        forced = shape
         if kind == "kill":
-            shape = self._pick(kind, ["leader", "majority", "one", "minority", "all"], k)
+            shape = forced or self._pick(kind, ["leader", "majority", "one", "minority", "all"], k)
             targets = self._shape_targets(shape, leader)
             self._record("start", kind, targets, shape=shape)
             for t in targets:
@@ -131,7 +218,7 @@ class Nemesis:
 
             self._heal = heal_kill
         elif kind == "pause":
-            shape = self._pick(kind, ["leader", "majority", "one", "minority"], k)
+            shape = forced or self._pick(kind, ["leader", "majority", "one", "minority"], k)
             targets = self._shape_targets(shape, leader)
             self._record("start", kind, targets, shape=shape)
             for t in targets:
@@ -148,7 +235,7 @@ class Nemesis:
             if len(self.c.voters) >= 5:
                 shapes.insert(2, "majorities-ring")
                 shapes.append("leader-minority")
-            shape = self._pick(kind, shapes, k)
+            shape = forced or self._pick(kind, shapes, k)
             grudge, targets = self._grudge(shape, leader)
             self._record(
                 "start",
@@ -165,14 +252,20 @@ class Nemesis:
 
             self._heal = heal_partition
         elif kind == "clock":
-            targets = [self.rng.choice(self.c.ids)]
-            mode = self._pick(kind, ["skew", "strobe"], k)
+            mode = forced or self._pick(kind, ["skew", "strobe"], k)
+            # A step hits the leader (its lease and timers matter most).
+            if mode == "step" and leader is not None:
+                targets = [leader]
+            else:
+                targets = [self.rng.choice(self.c.ids)]
             env = self._faketime_env(mode, targets[0])
             self._record("start", kind, targets, mode=mode, faketime=env.get("FAKETIME", ""))
             self.c.kill(targets[0])
             self.c.start(targets[0], extra_env=env)
             if mode == "strobe":
                 self._strobe = asyncio.create_task(self._strobe_loop())
+            elif mode == "step":
+                self._strobe = asyncio.create_task(self._step_once())
             info = {"mode": mode, "env": {k2: v for k2, v in env.items() if k2 != "LD_PRELOAD"}}
 
             async def heal_clock() -> None:
@@ -211,10 +304,24 @@ class Nemesis:
         await self._heal()
         self._heal = None
         self._open = None
-        extra = {k: v for k, v in info.items() if k in ("rebuilt", "refused", "damage")}
+        extra = {
+            k: v for k, v in info.items() if k in ("rebuilt", "refused", "damage", "caught_up")
+        }
         self._record("stop", kind, targets, **extra)
         self.events.append({"kind": kind, "targets": targets, **info})
         self.log(f"nemesis stop  {kind} {targets}")
+
+    async def _await_leader(self, kind: str, shape: str | None, wait_s: float = 10.0) -> int | None:
+        """A shape aimed at the leader right after a fault that left none
+        (a kill of a majority, say) would hit a random node: wait for one."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+            leader = await self.c.leader()
+            if leader is not None:
+                return leader
+        self.log(f"no leader within {wait_s:.0f} s for {kind}:{shape or '*'}: a random target")
+        return None
 
     # -- partitions --------------------------------------------------------------------
     def _grudge(self, shape: str, leader: int | None) -> tuple[dict[int, set[int]], list[int]]:
@@ -224,11 +331,13 @@ class Nemesis:
             t = leader if shape == "isolate-leader" and leader is not None else self.rng.choice(v)
             return net.complete_grudge([[t]], ids), [t]
         if shape == "leader-minority":
-            # The leader keeps a minority of followers: it can replicate to
-            # them but never commit; the majority elects another leader.
+            # The leader keeps a minority of followers (none with 3 voters)
+            # and every learner: it can replicate to them but never commit;
+            # the majority elects another leader.
             t = leader if leader is not None else self.rng.choice(v)
             rest = [x for x in v if x != t]
-            side = [t, *self.rng.sample(rest, max(0, (len(v) - 1) // 2 - 1))]
+            learners = [x for x in ids if x not in v]
+            side = [t, *self.rng.sample(rest, max(0, (len(v) - 1) // 2 - 1)), *learners]
             return net.complete_grudge([side], ids), sorted(side)
         if shape == "halves":
             shuffled = ids[:]
@@ -267,6 +376,7 @@ class Nemesis:
             secs = self.rng.choice([-1, 1]) * self.rng.randint(5, 120)
             env["FAKETIME"] = f"{secs:+d}s"
             return env
+        # strobe and step: the wall clock follows a file the nemesis rewrites.
         path = self.c.root / f"faketime-{node}.txt"
         path.write_text("+0s\n")
         self._strobe_file = path
@@ -276,6 +386,14 @@ class Nemesis:
             FAKETIME_DONT_FAKE_MONOTONIC="1",
         )
         return env
+
+    async def _step_once(self) -> None:
+        """One step of the wall clock, once the restarted node is running."""
+        assert self._strobe_file is not None
+        await asyncio.sleep(1.5)
+        step = self.rng.choice([-1, 1]) * self.rng.randint(30, 300)
+        self._strobe_file.write_text(f"{step:+d}s\n")
+        self.log(f"clock step {step:+d} s on the wall clock")
 
     async def _strobe_loop(self) -> None:
         assert self._strobe_file is not None
@@ -303,12 +421,22 @@ class Nemesis:
         await self.rebuild(node, max_term, info)
 
     async def rebuild(self, node: int, max_term: int, info: dict[str, Any]) -> None:
-        """Wipe ``node`` (stopped, a minority of one) and restart it empty, once safe."""
+        """Wipe ``node`` (stopped, a minority of one) and restart it empty, once
+        safe; return once it holds the log again (or after a bounded wait), so
+        the fault's window covers the whole rebuild."""
         others = [v for v in self.c.voters if v != node]
         # Everything committed before the kill is at or below every commit
         # index reported now; entries committed later never counted the
         # damaged node, and a majority of the others holds them.
         floor: int | None = None
+        # A leader elected while the node is down, after it stopped: its term
+        # is above every term the node saw (so it cannot vote twice in one),
+        # and it never heard the node acknowledge anything. A leader that did
+        # (elected before the kill) keeps the node's old match index; the
+        # core never probes below it, so an emptied node would be sent
+        # entries after its old match, refuse each one, and stay empty until
+        # the next leader change (see docs/design.md, "Rebuilding a replica").
+        fresh_term: int | None = None
         end = time.monotonic() + 60
         while time.monotonic() < end:
             st = await self.c.statuses()
@@ -319,7 +447,9 @@ class Nemesis:
                 await asyncio.sleep(0.3)
                 continue
             term = int(st[lead].get("term", 0))
-            if term <= max_term:
+            if fresh_term is None:
+                fresh_term = max([max_term, *(int(s.get("term", 0)) for s in st.values())])
+            if term <= fresh_term:
                 to = self.rng.choice([o for o in others if o != lead])
                 await self.c.transfer_leadership(lead, to)
                 await asyncio.sleep(0.5)
@@ -337,6 +467,21 @@ class Nemesis:
         self.c.start(node)
         self.corrupted.discard(node)
         info["rebuilt"] = True
+        # The heal ends when the rebuilt replica holds everything committed
+        # before the damage: its catch-up (the leader reads and sends it the
+        # whole log) is part of this fault, not of the quiet time after it.
+        t0 = time.monotonic()
+        caught_up = False
+        while time.monotonic() - t0 < 30 and self.c.alive(node):
+            s = await self.c.status(node)
+            if s is not None and int(s.get("applied", 0)) >= (floor or 0):
+                caught_up = True
+                break
+            await asyncio.sleep(0.2)
+        info["caught_up"] = caught_up
+        info["catch_up_s"] = round(time.monotonic() - t0, 2)
+        if not caught_up:
+            self.log(f"node {node}: rebuilt, but not caught up after {info['catch_up_s']} s")
 
 
 def _brief(info: dict[str, Any]) -> str:

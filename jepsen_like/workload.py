@@ -184,6 +184,8 @@ class Workload:
         pollers: int,
         seed: int,
         op_timeout_s: float,
+        clients_per_queue: int = 0,
+        client_timeout_s: tuple[float, float] | None = None,
     ) -> None:
         self.w = writer
         self.http = http
@@ -194,6 +196,10 @@ class Workload:
         self.pollers = pollers
         self.seed = seed
         self.timeout_ms = int(op_timeout_s * 1000 * 0.8)
+        self.clients_per_queue = clients_per_queue
+        # Short client deadlines (drawn per op): the client gives up before the
+        # server's own timeout, so ops cut off by a fault end ``info``.
+        self.client_timeout_s = client_timeout_s
         self.stats = Stats()
         self.stop = asyncio.Event()
         self.high: dict[int, int] = dict.fromkeys(range(queues), 0)  # highest acked offset + 1
@@ -208,8 +214,18 @@ class Workload:
         self.w.complete(status, process, **fields)  # type: ignore[arg-type]
         self.stats.add(f, status)
 
-    async def _pause(self, rng: random.Random) -> None:
-        await asyncio.sleep(rng.uniform(0.002, 0.02))
+    async def _pause(self, rng: random.Random, status: str = "ok") -> None:
+        if status == "fail":
+            # Refused (node down, no leader): back off as a real client would,
+            # instead of spinning through hundreds of instant failures.
+            await asyncio.sleep(rng.uniform(0.2, 0.5))
+        else:
+            await asyncio.sleep(rng.uniform(0.002, 0.02))
+
+    def _deadline(self, rng: random.Random, extra_s: float = 0.0) -> float | None:
+        if self.client_timeout_s is None:
+            return None
+        return extra_s + rng.uniform(*self.client_timeout_s)
 
     # -- produce -----------------------------------------------------------------
     async def _register(self, rng: random.Random) -> tuple[int, int] | None:
@@ -218,7 +234,7 @@ class Workload:
             return int(r.body["producer_id"]), int(r.body.get("epoch", 0))
         return None
 
-    async def producer(self, idempotent: bool) -> None:
+    async def producer(self, idempotent: bool, queue: int | None = None) -> None:
         """Unique values to random queues. An idempotent producer's op spans its
         retries: it re-sends the same value with the same sequence number after
         an unknown outcome (the server answers a repeat with the original
@@ -236,7 +252,7 @@ class Workload:
                 if prod is None:
                     await asyncio.sleep(0.2)
                     continue
-            q = rng.randrange(self.queues)
+            q = rng.randrange(self.queues) if queue is None else queue
             value = f"p{process}-{n}"
             n += 1
             body: dict[str, Any] = {"messages": [{"value": value, "encoding": "utf-8", "queue": q}]}
@@ -248,6 +264,7 @@ class Workload:
             self.w.invoke(process, "produce", key_of(q), value=value, **extra)
             maybe_happened = False
             attempts = 0
+            final = "ok"
             while True:
                 attempts += 1
                 r = await self.http.call(
@@ -255,6 +272,7 @@ class Workload:
                     f"/v1/topics/{TOPIC}/messages?timeout_ms={self.timeout_ms}",
                     json=body,
                     rng=rng,
+                    timeout_s=self._deadline(rng),
                 )
                 st = write_outcome(r)
                 if st == "ok":
@@ -281,7 +299,7 @@ class Workload:
                         prod = None  # an unknown or refused sequence: start a fresh producer
                     break
                 await asyncio.sleep(0.1 * attempts)
-            await self._pause(rng)
+            await self._pause(rng, final)
 
     # -- reads ------------------------------------------------------------------------
     async def read_once(
@@ -302,6 +320,8 @@ class Workload:
             f"/v1/topics/{TOPIC}/queues/{q}/messages?offset={offset}&max_messages={limit}"
             f"&encoding=utf-8&consistency={consistency}&timeout_ms={self.timeout_ms}"
         )
+        if timeout_s is None and rng is not None:
+            timeout_s = self._deadline(rng)
         r = await self.http.call("GET", path, rng=rng, node=node, timeout_s=timeout_s)
         if r.status == 416 and isinstance(r.body, dict):
             err = r.body.get("error", {})
@@ -317,23 +337,35 @@ class Workload:
             msgs = r.body["messages"]
             pairs = [[int(m["queue_offset"]), str(m["value"])] for m in msgs]
             nxt = int(r.body["next_offset"])
-            end = len(pairs) < limit or nxt >= int(r.body["max_offset"])
+            # The server says where the log ends: a read cut short by a byte or
+            # scan limit has fewer than `limit` messages and still end=false.
+            end = nxt >= int(r.body["max_offset"])
         except (KeyError, TypeError, ValueError):
             self._complete("info", process, f, error="bad ok body", node=r.node)
             return "info", [], None
         self._complete("ok", process, f, value=pairs, end=end, node=r.node)
         return "ok", pairs, nxt
 
-    async def reader(self) -> None:
+    async def reader(self, queue: int | None = None) -> None:
+        """Reads near the head of the log. With a fixed queue (the contended
+        workload), most reads start at or just below the highest acknowledged
+        offset with a small limit, racing the producers: their results end
+        with ``end=true`` (the log's end) or ``end=false`` (more behind)."""
         process = self._process()
         rng = random.Random(self.seed * 1000 + process)
         while not self.stop.is_set():
-            q = rng.randrange(self.queues)
+            q = rng.randrange(self.queues) if queue is None else queue
             hi = self.high[q]
-            offset = max(0, hi - rng.randint(0, 6))
-            consistency = "linearizable" if rng.random() < 0.6 else "committed"
-            await self.read_once(process, q, offset, consistency, 8, rng=rng)
-            await self._pause(rng)
+            if queue is None:
+                offset = max(0, hi - rng.randint(0, 6))
+                consistency = "linearizable" if rng.random() < 0.6 else "committed"
+                limit = 8
+            else:
+                offset = max(0, hi - rng.randint(-1, 3))
+                consistency = "linearizable" if rng.random() < 0.75 else "committed"
+                limit = rng.choice((2, 4, 8))
+            st, _, _ = await self.read_once(process, q, offset, consistency, limit, rng=rng)
+            await self._pause(rng, st)
 
     # -- consumer group ------------------------------------------------------------------
     async def poller(self, index: int) -> None:
@@ -345,8 +377,15 @@ class Workload:
         while not self.stop.is_set():
             if pos is None:
                 self.w.invoke(process, "seek", key_of(q), offset=0, group=GROUP)
+                # Linearizable: a committed read may come from a replica still
+                # catching up (just resumed or restarted) and show an older
+                # committed offset, which the queue checker would take for an
+                # offset regression.
                 r = await self.http.call(
-                    "GET", f"/v1/groups/{GROUP}/offsets?topic={TOPIC}", rng=rng
+                    "GET",
+                    f"/v1/groups/{GROUP}/offsets?topic={TOPIC}&consistency=linearizable"
+                    f"&timeout_ms={self.timeout_ms}",
+                    rng=rng,
                 )
                 st = read_outcome(r)
                 if st != "ok":
@@ -366,6 +405,7 @@ class Workload:
                 f"/v1/topics/{TOPIC}/queues/{q}/messages?offset={pos}&max_messages=16"
                 f"&encoding=utf-8&wait_ms=200",
                 rng=rng,
+                timeout_s=self._deadline(rng, extra_s=0.2),  # on top of the long poll
             )
             if r.status == 416:
                 self._complete("ok", process, "poll", value=[], node=r.node)
@@ -397,6 +437,7 @@ class Workload:
                     f"/v1/groups/{GROUP}/offsets?timeout_ms={self.timeout_ms}",
                     json={"offsets": [{"topic": TOPIC, "queue": q, "offset": pos}]},
                     rng=rng,
+                    timeout_s=self._deadline(rng),
                 )
                 st = write_outcome(r)
                 self._complete(st, process, "commit_offset", error=None if st == "ok" else _err(r))
@@ -444,12 +485,36 @@ class Workload:
             await asyncio.sleep(0.3)
         return False
 
+    def roles(self) -> list[tuple[str, int | None]]:
+        """(role, queue) of every worker: ``plain`` / ``idempotent`` producers,
+        ``reader`` and ``poller``. With ``clients_per_queue`` each queue gets
+        that many clients of its own (half producers, a third of them
+        idempotent; the rest head readers), so the ops of one key overlap
+        many others; otherwise the legacy mix of random-queue workers."""
+        out: list[tuple[str, int | None]] = []
+        if self.clients_per_queue > 0:
+            n = self.clients_per_queue
+            n_prod = max(1, (n + 1) // 2)
+            n_idem = n_prod // 3
+            for q in range(self.queues):
+                out += [("idempotent", q)] * n_idem
+                out += [("plain", q)] * (n_prod - n_idem)
+                out += [("reader", q)] * (n - n_prod)
+        else:
+            out += [("idempotent", None)] * self.idempotent
+            out += [("plain", None)] * max(0, self.producers - self.idempotent)
+            out += [("reader", None)] * self.readers
+        out += [("poller", k) for k in range(self.pollers)]
+        return out
+
     def tasks(self) -> list[asyncio.Task[None]]:
         out = []
-        for k in range(self.producers):
-            out.append(asyncio.create_task(self.producer(idempotent=k < self.idempotent)))
-        for _ in range(self.readers):
-            out.append(asyncio.create_task(self.reader()))
-        for k in range(self.pollers):
-            out.append(asyncio.create_task(self.poller(k)))
+        for role, q in self.roles():
+            if role in ("plain", "idempotent"):
+                out.append(asyncio.create_task(self.producer(role == "idempotent", q)))
+            elif role == "reader":
+                out.append(asyncio.create_task(self.reader(q)))
+            else:
+                assert q is not None
+                out.append(asyncio.create_task(self.poller(q)))
         return out

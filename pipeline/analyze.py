@@ -659,7 +659,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m pipeline analyze", description="Spark analysis of harness runs"
     )
-    p.add_argument("runs_dir", help="a directory (any Spark path) of runs' *.jsonl histories")
+    p.add_argument(
+        "runs_dir",
+        help="a directory (any Spark path) of harness runs: every *.jsonl history under it "
+        "(what `python -m jepsen_like run --out DIR` writes) and every results.json",
+    )
     p.add_argument("--out", default=None, help="output directory (default: RUNS_DIR/analysis)")
     p.add_argument("--master", default="local[*]", help="Spark master URL (default local[*])")
     p.add_argument("--bucket-ms", type=int, default=1000)
@@ -670,6 +674,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     spark = build_session(args.master, "dledger-analyze")
     try:
         out = args.out or f"{args.runs_dir.rstrip('/')}/analysis"
+        print(
+            f"input: every *.jsonl history and results.json under {args.runs_dir} "
+            "(harness runs: python -m jepsen_like run --out DIR)",
+            flush=True,
+        )
         a = analyze(spark, args.runs_dir, AnalyzeConfig(args.bucket_ms, args.grace_ms))
         write(spark, a, out)
         summary: dict[str, Any] = {
@@ -679,7 +688,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         print(
             f"analysed {summary['runs']} runs ({summary['ops']} ops, "
-            f"{summary['fault_windows']} fault windows) into {out}"
+            f"{summary['fault_windows']} fault windows) from {args.runs_dir} into {out}"
+            f" (open {out.rstrip('/')}/index.html)"
         )
     finally:
         spark.stop()

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv at the repo root and installs the project with the extras named
-# in $DLEDGER_EXTRAS (default: dev,bench,spark). Idempotent and quiet when up to date.
+# in $DLEDGER_EXTRAS (default: dev,bench,spark; the demo asks for dev only).
+# Says what it installs, prints a line per package and one every 20 s while
+# it waits; idempotent and silent when .venv is already up to date.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -24,9 +26,32 @@ for f in .venv/.installed-"$hash"-*; do
   [ $covered = 1 ] && break
 done
 if [ $covered = 0 ]; then
-  echo "==> installing dledger-py[$extras] into .venv"
+  # What each extra brings, so a first run says what it waits for.
+  about="the project (aiohttp, lmdb, orjson: ~15 MB)"
+  case ",$extras," in *,dev,*) about="$about, test tools (pytest, hypothesis, ruff, mypy: ~90 MB)" ;; esac
+  case ",$extras," in *,bench,*) about="$about, PySyncObj and matplotlib (~40 MB)" ;; esac
+  case ",$extras," in *,spark,*) about="$about, PySpark and pyarrow (~450 MB download, ~700 MB on disk)" ;; esac
+  echo "==> installing dledger-py[$extras] into .venv: $about"
+  case ",$extras," in
+    *,spark,*) echo "    (a first install takes 2-5 minutes, mostly downloading PySpark)" ;;
+    *) echo "    (a first install takes about a minute)" ;;
+  esac
+  started=$SECONDS
+  # A line every 20 s while pip is quiet (a large download, building wheels).
+  (while sleep 20; do echo "    ... still installing ($((SECONDS - started)) s)"; done) &
+  ticker=$!
+  trap 'kill "$ticker" 2>/dev/null || true' EXIT
+  # setuptools' "Editable installation" warning box is advice for packagers,
+  # not for someone running this script.
+  export PYTHONWARNINGS="ignore:Editable installation"
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -e ".[$extras]"
+  # One line per package as pip gets to it; errors (stderr) pass through.
+  .venv/bin/python -m pip install --progress-bar off -e ".[$extras]" \
+    | sed -u -n -E -e 's/ \(from [^)]*\)$//' \
+      -e 's/^(Collecting|Downloading|Installing collected packages|Successfully installed)/    \1/p'
+  kill "$ticker" 2>/dev/null || true
+  trap - EXIT
   rm -f .venv/.installed-*
   touch "$stamp"
+  echo "==> .venv ready ($((SECONDS - started)) s)"
 fi

@@ -121,6 +121,13 @@ class Progress:
             return True
         if self.next - 1 != rejected:
             return False
+        if hint < self.match and rejected == self.match:
+            # It rejects the very entry it once acknowledged: the replica
+            # lost its log (rebuilt in place from an empty directory after
+            # corruption or divergence). Believe it, or we would probe at
+            # match + 1 for ever and it would never catch up. Commit never
+            # moves back, so a lower match only means resending entries.
+            self.match = hint
         self.next = max(min(rejected, hint + 1), self.match + 1, 1)
         self.probe_sent = False
         return True

@@ -1210,6 +1210,14 @@ class RawNode:
             return
         if not self._promotable():
             # We were removed (or demoted): step down; the rest elect a leader.
+            # Membership takes effect at apply time, so the others can elect
+            # one only once they know our removal committed: tell them now
+            # (a heartbeat carries the commit index each one is confirmed to
+            # hold), or a survivor left with the old configuration could wait
+            # for our vote for ever once we are shut down (found by the
+            # simulator). An operator still waits for the others to apply it
+            # (or transfers leadership first) before stopping this node.
+            self._bcast_heartbeat()
             self._become_follower(self.term, NONE)
             return
         members = set(self.config.members())

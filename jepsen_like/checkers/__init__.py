@@ -8,6 +8,10 @@ every checker on it:
 * ``recovery`` (:mod:`.recovery`): RTO per fault window, unavailability,
   throughput and latency over time.
 
+``load`` (:mod:`.load`, no verdict) says how hard the history was: the
+share of ``info`` ops (overall and during fault windows) and the mean
+number of ops overlapping each op on its key.
+
 The overall verdict is ``invalid`` if any checker says so, else ``unknown``
 if any checker could not decide, else ``valid``. A malformed history raises
 :class:`jepsen_like.history.HistoryError` (the CLI turns it into a JSON
@@ -21,6 +25,7 @@ from typing import Any
 
 from jepsen_like.checkers import linearizable, queue, recovery
 from jepsen_like.checkers.linearizable import LinConfig
+from jepsen_like.checkers.load import load
 from jepsen_like.checkers.queue import QueueConfig
 from jepsen_like.checkers.recovery import RecoveryConfig
 from jepsen_like.history import History, read_history
@@ -61,6 +66,7 @@ def check_history(
         "ops": len(history.ops),
         "faults": len(history.faults),
         "keys": history.keys(),
+        "load": load(history),
         "checkers": results,
     }
 

@@ -39,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gap-threshold-ms", type=int, default=_REC.gap_threshold_ms)
     p.add_argument("--no-timeline", action="store_true", help="leave the per-bucket timeline out")
     p.add_argument("--indent", type=int, default=None)
+    p.add_argument(
+        "--human",
+        action="store_true",
+        help="the summary table, reasons and VERDICT line instead of JSON",
+    )
     args = p.parse_args(argv)
     try:
         result = check(
@@ -54,8 +59,22 @@ def main(argv: list[str] | None = None) -> int:
             ),
         )
     except HistoryError as e:
-        print(json.dumps({"verdict": "error", "error": str(e), "line": e.line}))
+        if args.human:
+            print(f"VERDICT ERROR: malformed history: {e}", file=sys.stderr)
+        else:
+            print(json.dumps({"verdict": "error", "error": str(e), "line": e.line}))
         return 3
+    except OSError as e:
+        if not args.human:
+            print(json.dumps({"verdict": "error", "error": str(e), "line": 0}))
+        else:
+            print(f"VERDICT ERROR: {e}", file=sys.stderr)
+        return 3
+    if args.human:
+        from jepsen_like.summary import render
+
+        print(render(result, args.history))
+        return EXIT[result["verdict"]]
     if args.no_timeline:
         result["checkers"]["recovery"].pop("timeline", None)
     try:

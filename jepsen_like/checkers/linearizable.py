@@ -7,7 +7,13 @@ Model. Every queue (``key`` = ``"topic/queue"``) is a log: ``append(value)
 ``read(offset) -> [[offset, value], ...]`` (a ``read`` or ``final_read`` with
 ``consistency == "linearizable"``; ``[]`` means nothing at ``offset`` yet).
 A read whose result reaches the end of the log (``Operation.reached_end``)
-also fixes the log length. Committed reads and polls do not take part (the
+also fixes the log length; an empty result means nothing at ``offset`` yet;
+a read with ``end=false`` bounds it from below (the log held an entry past
+the last one returned when the read took effect). A result that is not a
+contiguous run from the requested offset (``0`` and ``2`` without ``1``, or
+starting elsewhere), or an empty one with ``end=false``, fits no state of a
+log: the key is invalid without a search, the read alone is the window.
+Committed reads and polls do not take part (the
 queue checker looks at them).
 
 * ``ok`` ops took effect once, between invoke and completion.
@@ -57,11 +63,15 @@ against brute force):
 Cost: with those, a linearizable history is checked in about one step per
 op; exponential in the worst case (many concurrent ``info`` appends whose
 values were read, or of equal values). ``python -m jepsen_like.bench``
-(one core, 16 keys, 5 % info, 20 clients per key, half appends and half
-linearizable reads; check only, reading the file is about a third more):
-25,000 ops 0.7 s, 50,000 1.4 s, 100,000 3.1 s, 200,000 6.8 s, 400,000
-17 s. The memo's big-int keys make the per-key cost grow slightly faster
-than linearly (about x2.2 per doubling). The budget
+(check only, one core; reading the file costs about half as much again):
+the default *contended* profile (3 keys, 12 clients per key, 12 % info,
+head reads of 2-8 entries with ``end=false`` when more follow, info effects
+landing after the client gave up; mean overlap 20 ops): 50,000 ops 1.2 s,
+100,000 3.3 s, 200,000 7.4 s; 100,000 ops with 20 % info and 24 clients
+per key (overlap 43) 4.9 s. The *legacy* profile (16 keys, 20 clients,
+5 % info, reads of 8): 25,000 ops 0.7 s, 50,000 1.4 s, 100,000 3.1 s,
+200,000 6.8 s, 400,000 17 s. The memo's big-int keys make the per-key cost
+grow slightly faster than linearly (about x2.2 per doubling). The budget
 (``max_states`` explored and ``max_seconds`` per key) bounds the search:
 when spent, the key's verdict is ``unknown`` — never ``valid`` or
 ``invalid`` by guess.
@@ -121,6 +131,7 @@ class KeyResult:
     stuck_at: dict[str, Any] | None = None
     window: list[dict[str, Any]] | None = None
     note: str | None = None
+    explanation: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -130,7 +141,7 @@ class KeyResult:
             "states": self.states,
             "elapsed_s": round(self.elapsed_s, 6),
         }
-        for name in ("reason", "stuck_at", "window", "note"):
+        for name in ("reason", "stuck_at", "window", "note", "explanation"):
             v = getattr(self, name)
             if v is not None:
                 out[name] = v
@@ -143,9 +154,11 @@ class _Op:
     __slots__ = (
         "anon",
         "append",
+        "bad",
         "call",
         "id",
         "max_len",
+        "min_len",
         "offset",
         "pairs",
         "req",
@@ -164,14 +177,34 @@ class _Op:
         self.offset: int | None = src.offset if append and src.status == "ok" else None
         self.pairs: tuple[tuple[int, Value], ...] = () if append else src.results
         self.max_len: int | None = None
+        self.min_len: int | None = None
+        self.bad: str | None = None
         self.req: int | None = None
         self.anon = False
         if not append:
             start = src.offset if src.offset is not None else 0
+            last = start - 1
+            for off, _ in src.results:
+                if off != last + 1:
+                    self.bad = (
+                        f"the result starts at offset {off}, not at the requested {start}"
+                        if last < start
+                        else f"offset {off} follows {last} in the result "
+                        f"(a log read returns a contiguous run from offset {start})"
+                    )
+                    break
+                last = off
             if not src.results:
                 self.max_len = start
             elif src.reached_end:
-                self.max_len = max(o for o, _ in src.results) + 1
+                self.max_len = last + 1
+            if src.end is False:
+                # "There is more": the log held an entry past the last one returned.
+                self.min_len = last + 2
+                if self.max_len is not None and self.min_len > self.max_len and self.bad is None:
+                    self.bad = (
+                        f"an empty result at offset {start} that says the log goes on (end=false)"
+                    )
 
 
 def participants(ops: Iterable[Operation]) -> list[_Op]:
@@ -268,7 +301,11 @@ class _LogModel:
             log.append(value)
             self.ids.append(sid)
             return True
+        if op.bad is not None:
+            return False
         if op.max_len is not None and n > op.max_len:
+            return False
+        if op.min_len is not None and n < op.min_len:
             return False
         return all(off < n and log[off] == v for off, v in op.pairs)
 
@@ -321,6 +358,8 @@ class _RelaxedModel:
             self.known[k] = value
             self.n = k + 1
             return True
+        if op.bad is not None:
+            return False
         n = self.n
         added: list[int] = []
         good = True
@@ -337,6 +376,8 @@ class _RelaxedModel:
             self.known[off] = v
             added.append(off)
             n = max(n, off + 1)
+        if good and op.min_len is not None:
+            n = max(n, op.min_len)  # fillers past the result: "there is more"
         if good and op.max_len is not None and n > op.max_len:
             good = False
         if not good:
@@ -660,20 +701,70 @@ def _shrink(
     return window, None
 
 
+def describe(op: Operation) -> str:
+    """One op in words: ``read #12 (process 3) at offset 4 -> [[4, 'a']] end=false``."""
+    when = f"#{op.invoke_index}"
+    if op.f == "produce":
+        if op.status == "ok":
+            return f"produce {when} (process {op.process}) of {op.value!r} acknowledged at offset {op.offset}"
+        return f"produce {when} (process {op.process}) of {op.value!r} ({op.status}: may have happened)"
+    res = [list(r) for r in op.results]
+    if len(res) > 6:
+        shown = f"{res[:3]} ... {res[-2:]} ({len(res)} entries)"
+    else:
+        shown = str(res)
+    end = "" if op.end is None else f" end={'true' if op.end else 'false'}"
+    return (
+        f"{op.consistency} {op.f} {when} (process {op.process}) at offset {op.offset} -> "
+        f"{shown}{end}"
+    )
+
+
+def _explain(stuck: _Op | None, window: Sequence[_Op] | None) -> str:
+    out = "no order of the operations fits one append-only log"
+    if stuck is not None:
+        out += f"; the search could never get past {describe(stuck.src)}"
+    if window:
+        out += "; these operations alone already conflict: " + "; ".join(
+            describe(o.src) for o in window[:8]
+        )
+        if len(window) > 8:
+            out += f"; and {len(window) - 8} more"
+    return out
+
+
 def check_key(key: str, ops: Iterable[Operation], config: LinConfig | None = None) -> KeyResult:
     """Decide linearizability of one key's ops (others are ignored)."""
     cfg = config or LinConfig()
     start = time.monotonic()
     parts = participants(op for op in ops if op.key == key)
+    bad = next((o for o in parts if o.bad is not None), None)
+    if bad is not None:
+        # Impossible in every state of a log: no search needed, the read is the window.
+        assert bad.bad is not None
+        return KeyResult(
+            key=key,
+            verdict="invalid",
+            ops=len(parts),
+            states=0,
+            elapsed_s=time.monotonic() - start,
+            stuck_at=bad.src.to_json(),
+            window=[bad.src.to_json()],
+            explanation=f"{describe(bad.src)}: {bad.bad}; no state of a log gives that result",
+        )
     deadline = None if cfg.max_seconds is None else start + cfg.max_seconds
     outcome = _search(parts, _LogModel(_claimed(parts), _observed(parts)), cfg.max_states, deadline)
     window_json: list[dict[str, Any]] | None = None
     note = None
     stuck_json = outcome.stuck.src.to_json() if outcome.stuck is not None else None
-    if outcome.verdict == "invalid" and cfg.shrink:
-        window, note = _shrink(parts, outcome.stuck, cfg)
-        if window is not None:
-            window_json = [o.src.to_json() for o in window]
+    explanation = None
+    if outcome.verdict == "invalid":
+        window = None
+        if cfg.shrink:
+            window, note = _shrink(parts, outcome.stuck, cfg)
+            if window is not None:
+                window_json = [o.src.to_json() for o in window]
+        explanation = _explain(outcome.stuck, window)
     return KeyResult(
         key=key,
         verdict=outcome.verdict,
@@ -684,6 +775,7 @@ def check_key(key: str, ops: Iterable[Operation], config: LinConfig | None = Non
         stuck_at=stuck_json,
         window=window_json,
         note=note,
+        explanation=explanation,
     )
 
 

@@ -25,7 +25,12 @@ key:
 * ``offset-regression``: a consumer group's committed offset, read back
   by an ``ok`` ``seek`` that names the group, is below an offset the
   group committed (``ok`` ``commit_offset``) before that seek was invoked
-  (SCENARIOS 15: offsets committed through the log never jump back).
+  (SCENARIOS 15: offsets committed through the log never jump back). The
+  seek must read the offsets linearizably (the harness does): a committed
+  read may come from a replica still catching up.
+* ``non-contiguous-read``: a read, final read or poll whose result is not a
+  contiguous run of offsets starting at the offset it asked for (offsets 0
+  and 2 without 1): no state of a log returns that, whatever the consistency.
 * ``stale-read``: a linearizable read whose result reaches the end of the
   log (``Operation.reached_end``) but ends below an offset whose produce
   was acknowledged before the read was invoked.
@@ -55,6 +60,7 @@ ANOMALIES = (
     "unseen",
     "stale-read",
     "offset-regression",
+    "non-contiguous-read",
 )
 
 
@@ -171,9 +177,32 @@ def _check_key(key: str, ops: list[Operation], any_final: bool, out: _Anomalies)
                     {"key": key, "value": op.value, "offset": op.offset, "produce": _brief(op)},
                 )
 
+    _check_contiguous(key, ops, out)
     _check_polls(key, ops, out)
     _check_stale(key, ops, out)
     _check_group_offsets(key, ops, out)
+
+
+def _check_contiguous(key: str, ops: list[Operation], out: _Anomalies) -> None:
+    for op in ops:
+        if op.f not in ("read", "final_read", "poll") or op.status != "ok" or not op.results:
+            continue
+        expected = op.offset if op.offset is not None else op.results[0][0]
+        for off, _ in op.results:
+            if off != expected:
+                out.add(
+                    "non-contiguous-read",
+                    {
+                        "key": key,
+                        "read": _brief(op),
+                        "asked_offset": op.offset,
+                        "expected": expected,
+                        "got": off,
+                        "offsets": [o for o, _ in op.results][:20],
+                    },
+                )
+                break
+            expected += 1
 
 
 def _check_polls(key: str, ops: list[Operation], out: _Anomalies) -> None:

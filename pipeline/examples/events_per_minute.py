@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
@@ -131,6 +132,43 @@ def start(
     return w.start()
 
 
+def follow(q: StreamingQuery, every_s: int = 10) -> int:
+    """Wait for ``q`` to end (or Ctrl-C, which stops it), printing a line per
+    ``every_s`` with what it read; returns how many events it read."""
+    events = 0
+    seen: set[int] = set()
+
+    def take() -> None:
+        nonlocal events
+        for p in q.recentProgress:
+            b = int(p.get("batchId", -1))
+            if b not in seen:
+                seen.add(b)
+                events += int(p.get("numInputRows", 0))
+
+    try:
+        while not q.awaitTermination(every_s):
+            take()
+            print(f"  {len(seen)} micro-batches so far, {events} events read", flush=True)
+    except KeyboardInterrupt:
+        print("stopping the query (start it again with the same --checkpoint to resume)")
+        q.stop()
+    take()
+    return events
+
+
+def summary(spark: SparkSession, events: int, out: str, checkpoint: str) -> str:
+    """What a run read and wrote, and where."""
+    try:
+        rows = spark.read.parquet(out).count()
+    except AnalysisException:  # nothing written yet: no Parquet to read
+        rows = 0
+    return (
+        f"read {events} events; {out} now holds {rows} rows (one per minute and type, "
+        f"Parquet); offsets are in {checkpoint}"
+    )
+
+
 def _where(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--endpoints", help="host:port[,host:port...] of any nodes")
@@ -177,8 +215,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     spark = build_session(a.master, "events-per-minute")
     try:
         if a.cmd == "run":
-            q = start(spark, _endpoints(a), a.topic, a.out, a.checkpoint, a.available_now)
-            q.awaitTermination()
+            eps = _endpoints(a)
+            print(f"reading topic {a.topic} from {','.join(eps)}; writing to {a.out}", flush=True)
+            q = start(spark, eps, a.topic, a.out, a.checkpoint, a.available_now)
+            events = follow(q)
+            print(summary(spark, events, a.out, a.checkpoint), flush=True)
         else:
             spark.read.parquet(a.out).orderBy("minute", "type").show(100, truncate=False)
     finally:

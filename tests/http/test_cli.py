@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -104,18 +103,22 @@ def test_cli_produce_consume_and_topics(
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(env, DLEDGER_TOKEN=APP),
     )  # fmt: skip
     try:
-        time.sleep(1.5)
+        # The header comes once the consumer has fixed its start positions
+        # ("latest" as of then): what is produced after it must be read.
+        assert follower.stdout is not None
+        header = follower.stdout.readline()
+        assert header.startswith("QUEUE"), (header, follower.poll())
         assert follower.poll() is None, "consume --follow exited before any data"
         r = cli("produce", "orders", "late-1", "late-2", "--queue", key_queue)
         assert r.returncode == 0, r
-        out, err = follower.communicate(timeout=30)
+        out, err = follower.communicate(timeout=60)
     finally:
         if follower.poll() is None:
             follower.kill()
             follower.wait()
     assert follower.returncode == 0, err
-    assert [g[4] for g in rows(out)] == ["late-1", "late-2"]
-    assert [g[1] for g in rows(out)] == ["3", "4"]
+    assert [g[4] for g in rows(header + out)] == ["late-1", "late-2"]
+    assert [g[1] for g in rows(header + out)] == ["3", "4"]
 
     # default endpoints: the local cluster directory's file
     run_dir = tmp_path / "cwd"

@@ -82,7 +82,12 @@ def _caught_up(c: ApiCluster, nid: int, leader: int) -> bool:
 
 
 def _setup(api_cluster: Callable[..., ApiCluster]) -> tuple[ApiCluster, int, int, float]:
-    c = api_cluster(voters=3)
+    # A 40 ms tick (election timeout 600 ms instead of 300 ms): the property
+    # is that catching a follower up costs the leader no stall, and the
+    # stalls this guards against were seconds long; on a 2-core machine that
+    # runs the whole suite (load average 8-10 seen) a 300 ms timeout can also
+    # expire for reasons that have nothing to do with the follower.
+    c = api_cluster(voters=3, settings={"tick_ms": 40})
     st, res = c.call("POST", "/v1/topics", {"name": "t", "queues": 4})
     assert st == 201, res
     leader = c.wait_leader()

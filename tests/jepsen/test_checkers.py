@@ -55,6 +55,9 @@ FIXTURES = {
     "queue_aborted_read": ("invalid", "valid", {"aborted-read"}),
     "queue_polls": ("invalid", "valid", {"poll-skip", "nonmonotonic-poll"}),
     "queue_unseen": ("invalid", "valid", {"unseen"}),
+    "lin_end_false": ("invalid", "invalid", set()),
+    "lin_end_false_info": ("valid", "valid", set()),
+    "lin_hole_read": ("invalid", "invalid", {"non-contiguous-read"}),
 }
 
 
@@ -96,6 +99,77 @@ def test_two_appends_acknowledged_at_one_offset_are_not_linearizable() -> None:
     res = lin_key(parse_history((HIST / "lin_same_offset.jsonl").read_text().splitlines()))
     assert res["verdict"] == "invalid"
     assert sorted(op["value"] for op in res["window"]) == ["a", "b"]
+
+
+def test_end_false_bounds_the_log_from_below() -> None:
+    res = lin_key(parse_history((HIST / "lin_end_false.jsonl").read_text().splitlines()))
+    assert res["verdict"] == "invalid"
+    assert "no order of the operations fits" in res["explanation"]
+    assert "end=false" in res["explanation"]
+    # An info produce invoked before the read returned may be the entry it saw past its result.
+    ok = lin_key(parse_history((HIST / "lin_end_false_info.jsonl").read_text().splitlines()))
+    assert ok["verdict"] == "valid"
+
+
+def test_end_false_needs_the_entry_before_the_read_returns() -> None:
+    def hist(w: Writer) -> None:
+        w.invoke(0, "produce", K, value="a", time_ns=0)
+        w.ok(0, offset=0, time_ns=10)
+        w.invoke(1, "read", K, offset=0, consistency=LIN, limit=1, time_ns=20)
+        w.ok(1, value=[[0, "a"]], end=False, time_ns=30)
+        w.invoke(0, "produce", K, value="b", time_ns=40)  # too late to be the "more"
+        w.ok(0, offset=1, time_ns=50)
+
+    assert lin_key(build(hist))["verdict"] == "invalid"
+
+    def concurrent(w: Writer) -> None:
+        w.invoke(0, "produce", K, value="a", time_ns=0)
+        w.ok(0, offset=0, time_ns=10)
+        w.invoke(2, "produce", K, value="b", time_ns=15)
+        w.invoke(1, "read", K, offset=0, consistency=LIN, limit=1, time_ns=20)
+        w.ok(1, value=[[0, "a"]], end=False, time_ns=30)
+        w.ok(2, offset=1, time_ns=50)
+
+    assert lin_key(build(concurrent))["verdict"] == "valid"
+
+
+def test_an_empty_result_that_says_there_is_more_is_impossible() -> None:
+    def hist(w: Writer) -> None:
+        w.invoke(0, "produce", K, value="a", time_ns=0)
+        w.invoke(1, "read", K, offset=0, consistency=LIN, limit=4, time_ns=20)
+        w.ok(1, value=[], end=False, time_ns=30)
+        w.ok(0, offset=0, time_ns=40)
+
+    res = lin_key(build(hist))
+    assert res["verdict"] == "invalid"
+    assert res["states"] == 0  # decided without a search
+
+
+def test_a_result_with_a_hole_is_invalid_in_every_state() -> None:
+    res = lin_key(parse_history((HIST / "lin_hole_read.jsonl").read_text().splitlines()))
+    assert res["verdict"] == "invalid"
+    assert res["states"] == 0
+    assert "offset 2 follows 0" in res["explanation"]
+    assert _window_shape(res) == [("read", [[0, "a"], [2, "c"]])]
+
+
+def test_a_result_not_starting_at_the_requested_offset_is_invalid() -> None:
+    def hist(w: Writer) -> None:
+        for k, v in enumerate("abc"):
+            w.invoke(0, "produce", K, value=v, time_ns=10 * k)
+            w.ok(0, offset=k, time_ns=10 * k + 5)
+        w.invoke(1, "read", K, offset=1, consistency=LIN, limit=8, time_ns=40)
+        w.ok(1, value=[[2, "c"]], end=True, time_ns=50)
+        w.invoke(2, "read", K, offset=0, consistency="committed", limit=8, time_ns=40)
+        w.ok(2, value=[[1, "b"], [0, "a"]], end=True, time_ns=50)
+
+    h = build(hist)
+    res = lin_key(h)
+    assert res["verdict"] == "invalid"
+    assert "starts at offset 2, not at the requested 1" in res["explanation"]
+    q = queue.check(h)
+    # The committed read is out of the linearizability check, but the queue checker sees both.
+    assert q["counts"]["non-contiguous-read"] == 2
 
 
 def _info_needed(status: str) -> History:
@@ -400,6 +474,22 @@ def test_an_observable_corrupted_read_is_never_valid(case: tuple[list[GenOp], in
         assert any(w["f"] == "read" and w["process"] == ops[i].process for w in res["window"])
 
 
+def _read_fits(read: Operation, log: list[Any]) -> bool:
+    """The log model's read rule, stated on its own: the result is the log's
+    contiguous run from the requested offset, up to its end when the read says
+    so (``reached_end``) or when it is empty, and ``end=false`` means an entry
+    past the result."""
+    start = read.offset if read.offset is not None else 0
+    want = [(off, log[off]) for off in range(start, len(log))]
+    got = list(read.results)
+    if got != want[: len(got)]:
+        return False
+    if read.end is False and len(want) <= len(got):
+        return False
+    # An empty result means nothing at the offset yet, whatever ``end`` says.
+    return not ((read.reached_end or not got) and len(want) > len(got))
+
+
 def brute_force_linearizable(ops: list[Operation]) -> bool:
     """The log model by exhaustion: every subset of info appends, every order."""
     parts = linearizable.participants(ops)
@@ -422,9 +512,7 @@ def brute_force_linearizable(ops: list[Operation]) -> bool:
                         if o.offset is not None and len(log) != o.offset:
                             break
                         log.append(o.value)
-                    elif (o.max_len is not None and len(log) > o.max_len) or not all(
-                        off < len(log) and log[off] == v for off, v in o.pairs
-                    ):
+                    elif not _read_fits(o.src, log):
                         break
                 else:
                     return True

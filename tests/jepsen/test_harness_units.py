@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import random
 import re
 import xml.etree.ElementTree as ET
@@ -121,3 +122,92 @@ def test_report_is_self_contained_html_with_well_formed_svg() -> None:
     for s in svgs:
         ET.fromstring(s)
     assert "RTO per fault" in page and "kill" in page
+
+
+def test_a_run_inherits_the_machine_lock_its_parent_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A test takes the lock before its clock starts; the run it starts
+    passes straight through; anyone else still waits, also after that run
+    ended (the run does not release its parent's lock)."""
+    import subprocess
+    import sys
+
+    from jepsen_like import control
+
+    monkeypatch.setattr(control, "STATE_DIR", tmp_path)
+    parent = control.RunLock()
+    assert parent.acquire(0, print)
+    probe = (
+        "import sys; from jepsen_like.control import RunLock; "
+        "sys.exit(0 if RunLock().acquire(0, lambda m: None) else 1)"
+    )
+    env = dict(os.environ, JEPSEN_LIKE_STATE=str(tmp_path))
+
+    def child(inherit: bool) -> int:
+        e = dict(env, **{control.LOCK_FD_ENV: str(parent.fileno())}) if inherit else env
+        fds = (parent.fileno(),) if inherit else ()
+        return subprocess.run(
+            [sys.executable, "-c", probe], env=e, pass_fds=fds, timeout=60, check=False
+        ).returncode
+
+    try:
+        assert child(inherit=False) == 1  # held: another run would wait
+        assert child(inherit=True) == 0  # the parent's own run goes ahead
+        assert child(inherit=False) == 1  # and did not release it on exit
+    finally:
+        parent.release()
+    assert child(inherit=False) == 0
+
+
+class _RebuildCluster:
+    """Three voters; node 2 is down. The leader (1) was elected in term 5,
+    after the fault's start recorded term 4, so it may hold node 2's old
+    match index; node 2 catches up a few polls after it is started."""
+
+    voters = ids = [1, 2, 3]
+
+    def __init__(self) -> None:
+        self.term, self.leader = 5, 1
+        self.events: list[tuple[Any, ...]] = []
+        self.polls_after_start = 0
+        self.up = False
+
+    async def statuses(self) -> dict[int, dict[str, Any]]:
+        return {
+            n: {"term": self.term, "commit": 100, "role": "leader" if n == self.leader else "f"}
+            for n in (1, 3)
+        }
+
+    async def transfer_leadership(self, lead: int, to: int) -> bool:
+        self.events.append(("transfer", self.term, to))
+        self.term, self.leader = self.term + 1, to
+        return True
+
+    def wipe(self, node: int) -> None:
+        self.events.append(("wipe", self.term, self.leader))
+
+    def start(self, node: int) -> None:
+        self.events.append(("start", self.term, self.leader))
+        self.up = True
+
+    def alive(self, node: int) -> bool:
+        return self.up
+
+    async def status(self, node: int) -> dict[str, Any] | None:
+        self.polls_after_start += 1
+        return {"applied": 100 if self.polls_after_start >= 3 else 0}
+
+
+async def test_a_rebuilt_replica_joins_a_leader_elected_while_it_was_down() -> None:
+    c = _RebuildCluster()
+    n = Nemesis(c, Writer(io.StringIO()), random.Random(7), [], log=lambda _: None,  # type: ignore[arg-type]
+                libfaketime=None)  # fmt: skip
+    info: dict[str, Any] = {}
+    await n.rebuild(2, 4, info)
+    # a transfer even though the term (5) is already above the recorded one
+    # (4): the leader of term 5 may have heard node 2 before it went down
+    assert c.events[0] == ("transfer", 5, 3)
+    assert [e[0] for e in c.events] == ["transfer", "wipe", "start"]
+    assert info["rebuilt"] and info["caught_up"]  # and the heal waited for its catch-up
+    assert c.polls_after_start >= 3

@@ -22,7 +22,20 @@ def spark() -> Iterator[SparkSession]:
     s = build_session(
         "local[2]",
         "dledger-tests",
-        {"spark.sql.shuffle.partitions": "2", "spark.default.parallelism": "2"},
+        {
+            "spark.sql.shuffle.partitions": "2",
+            "spark.default.parallelism": "2",
+            # Python workers connect back and authenticate within this (default
+            # 15 s, passed to them as SPARK_AUTH_SOCKET_TIMEOUT); on a machine
+            # loaded far beyond its cores that is not always enough. Workers
+            # are forked by one daemon and reused (Spark's defaults, stated
+            # here because every fresh Python start is the slow part). The one
+            # start Spark gives a fixed 10 s, the streaming source's own
+            # process, is retried by tests.spark.helpers.started.
+            "spark.python.authenticate.socketTimeout": "120s",
+            "spark.python.use.daemon": "true",
+            "spark.python.worker.reuse": "true",
+        },
     )
     s.sparkContext.setLogLevel("ERROR")
     yield s

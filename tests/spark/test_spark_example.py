@@ -29,9 +29,15 @@ def test_events_per_minute_example(
     ex.produce(eps, "clicks", [{"type": "tick", "user": "clock", "ts": base + 3_600_000}])
     out, ck = str(tmp_path / "counts"), str(tmp_path / "ck")
     want = Counter(((e["ts"] // 60_000) * 60_000, e["type"]) for e in events)
-    for _ in range(2):  # the second run resumes from the checkpoint: nothing new, no duplicate
+    for run in range(2):  # the second run resumes from the checkpoint: nothing new, no duplicate
         q = ex.start(spark, eps, "clicks", out, ck, available_now=True)
-        assert q.awaitTermination(180) and q.exception() is None
+        read = ex.follow(q)  # what the example's run command reports
+        assert q.exception() is None
+        assert read == (901 if run == 0 else 0)
+        assert ex.summary(spark, read, out, ck) == (
+            f"read {read} events; {out} now holds {len(want)} rows (one per minute and type, "
+            f"Parquet); offsets are in {ck}"
+        )
         rows = (
             spark.read.parquet(out)
             .select(F.unix_millis("minute").alias("ms"), "type", "events")

@@ -14,8 +14,8 @@ from pyspark.sql import DataFrame, SparkSession
 
 from http_api.client import Ack
 from pipeline.source import SCHEMA
-from tests.http.apiclient import ApiCluster, wait_for
-from tests.spark.helpers import client, endpoints, produce
+from tests.http.apiclient import ApiCluster
+from tests.spark.helpers import client, endpoints, produce, started, wait_running
 
 pytestmark = pytest.mark.spark
 
@@ -44,12 +44,16 @@ def test_max_offsets_per_trigger_and_available_now(
             late.extend(produce(cl, "avail", 50, "late"))
 
     def run() -> None:
-        q = (
-            _stream(spark, cluster, "avail", startingOffsets="earliest", maxOffsetsPerTrigger="40")
-            .writeStream.foreachBatch(sink)
-            .option("checkpointLocation", str(tmp_path / "ck"))
-            .trigger(availableNow=True)
-            .start()
+        q = started(
+            lambda: (
+                _stream(
+                    spark, cluster, "avail", startingOffsets="earliest", maxOffsetsPerTrigger="40"
+                )
+                .writeStream.foreachBatch(sink)
+                .option("checkpointLocation", str(tmp_path / "ck"))
+                .trigger(availableNow=True)
+                .start()
+            )
         )
         assert q.awaitTermination(180), "an AvailableNow query stops by itself"
         assert q.exception() is None
@@ -75,21 +79,25 @@ def test_streaming_starts_at_latest_by_default(
     cl.create_topic("fromlatest", 2)
     produce(cl, "fromlatest", 20, "old")
     got: list[bytes] = []
-    q = (
-        _stream(spark, cluster, "fromlatest")
-        .writeStream.foreachBatch(lambda df, _: got.extend(r.value for r in df.collect()))
-        .option("checkpointLocation", str(tmp_path / "ck"))
-        .trigger(processingTime="200 milliseconds")
-        .start()
+    q = started(
+        lambda: (
+            _stream(spark, cluster, "fromlatest")
+            .writeStream.foreachBatch(lambda df, _: got.extend(r.value for r in df.collect()))
+            .option("checkpointLocation", str(tmp_path / "ck"))
+            .trigger(processingTime="200 milliseconds")
+            .start()
+        )
     )
     try:
-        wait_for(lambda: q.lastProgress is not None, 60, "a first micro-batch")
         produce(cl, "fromlatest", 10, "new")
-        wait_for(lambda: len(got) >= 10, 60, "the new messages")
-        time.sleep(1)
+        wait_running(q, lambda: len(got) >= 10, 120, "the new messages")
+        # One more message, read after the others: anything old the query
+        # wrongly read would have arrived by the time it does.
+        produce(cl, "fromlatest", 1, "last")
+        wait_running(q, lambda: b"last-0" in got, 120, "the last message")
     finally:
         q.stop()
-    assert sorted(got) == sorted(f"new-{i}".encode() for i in range(10))
+    assert sorted(got) == sorted([*(f"new-{i}".encode() for i in range(10)), b"last-0"])
 
 
 def _parquet_count(spark: SparkSession, path: Path) -> int:
@@ -106,10 +114,13 @@ def test_exactly_once_across_restart_and_leader_kill(
     acks: list[Ack] = []
     values: list[bytes] = []
 
+    sent = threading.Lock()  # acks and values stay pairwise aligned
+
     def send(prefix: str, n: int) -> None:
         got = produce(client(cluster), "events", n, prefix)
-        acks.extend(got)
-        values.extend(f"{prefix}-{i}".encode() for i in range(n))
+        with sent:
+            acks.extend(got)
+            values.extend(f"{prefix}-{i}".encode() for i in range(n))
 
     send("a", 400)
     out, ck = tmp_path / "out", tmp_path / "ck"
@@ -136,29 +147,37 @@ def test_exactly_once_across_restart_and_leader_kill(
         )
 
     t = threading.Thread(target=producer, daemon=True)
-    q = start()
+    q = started(start)
     t.start()
     try:
-        wait_for(lambda: _parquet_count(spark, out) > 0, 90, "first rows in the sink")
+        wait_running(q, lambda: _parquet_count(spark, out) > 0, 180, "first rows in the sink")
         leader = cluster.wait_leader()
         cluster.kill(leader)  # SIGKILL, while the query runs
-        time.sleep(1.5)
-        assert q.exception() is None
+        # The query goes on through the failover: what is produced after the
+        # kill (through the new leader) reaches the sink.
+        send("c", 20)
+        n = len(acks)
+        wait_running(
+            q, lambda: _parquet_count(spark, out) >= n, 180, "rows produced after the kill"
+        )
     finally:
         q.stop()
     # restarted from its checkpoint while the old leader is still down
-    q = start()
+    q = started(start)
     try:
         t.join(180)
         assert not t.is_alive() and not errors, errors
-        assert len(acks) == 400 + 12 * 50
-        wait_for(
+        assert len(acks) == 400 + 12 * 50 + 20
+        wait_running(
+            q,
             lambda: _parquet_count(spark, out) >= len(acks),
-            120,
+            180,
             "every acknowledged message in the sink",
-            poll_s=1,
         )
-        time.sleep(1)  # a duplicate would show up in a later batch
+        # One more batch, read after everything else: a duplicate of any
+        # earlier batch would have been written by the time it is.
+        send("d", 5)
+        wait_running(q, lambda: _parquet_count(spark, out) >= len(acks), 180, "the last batch")
         assert q.exception() is None
     finally:
         q.stop()

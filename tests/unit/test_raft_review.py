@@ -354,3 +354,62 @@ def test_ticking_the_due_ticks_at_once_equals_ticking_each(role: str) -> None:
         net_b.send(*msgs_b)
         net_a.deliver_all()
         net_b.deliver_all()
+
+
+# ===========================================================================
+# A replica rebuilt in place (emptied) is caught up
+# ===========================================================================
+
+
+def test_a_replica_rebuilt_from_an_empty_directory_is_caught_up() -> None:
+    """The leader once heard node 3 acknowledge its log; node 3 is then
+    rebuilt from an empty directory (after corruption or divergence) and
+    rejects the probe at its old match. The leader believes the rejection
+    instead of probing at match + 1 for ever."""
+    net = Network.of((1, 2, 3))
+    net.elect(1)
+    lead = net.nodes[1]
+    for k in range(10):
+        lead.propose(f"v{k}".encode())
+    net.deliver_all()
+    assert lead.status().peers[3].match == lead.log.last_index()
+    net.nodes[3] = new_node(3)  # an empty replica with the same id
+    lead.propose(b"after")
+    net.tick((1,), times=3)
+    net.deliver_all()
+    assert net.nodes[3].log.last_index() == lead.log.last_index()
+    assert net.nodes[3].log.committed == lead.log.committed
+
+
+def test_a_leader_removing_itself_tells_the_others_the_removal_committed() -> None:
+    """Voters {1,2}; leader 1 removes itself. The appends that would tell 2
+    the removal committed are lost; as 1 applies the removal and steps down
+    it still tells 2 (a heartbeat with the commit index), so 2, now the only
+    voter, can elect itself although 1 is shut down at once."""
+    net = Network.of((1, 2))
+    net.elect(1)
+    idx = net.nodes[1].propose_conf_change(ConfChange(ConfChangeType.REMOVE_NODE, 1))
+    held: list[Message] = []
+
+    def lose_commit(m: Message) -> bool:
+        if m.frm == 1 and m.commit >= idx:
+            if m.type is MsgType.HEARTBEAT:
+                held.append(m)  # what 1 says as it steps down (no ticks here)
+            return True
+        return False
+
+    net.intercept = lose_commit
+    for _ in range(50):
+        if net.nodes[1].config.voters == (2,):
+            break
+        net.deliver_all()
+    assert net.nodes[1].config.voters == (2,)
+    assert net.nodes[2].log.committed < idx  # the appends with the commit were lost
+    net.intercept = None
+    del net.nodes[1]  # shut down at once
+    net.send(*held)
+    net.deliver_all()
+    two = net.nodes[2]
+    assert two.log.committed >= idx and two.config.voters == (2,)
+    net.tick((2,), times=3 * E)
+    assert two.role is Role.LEADER

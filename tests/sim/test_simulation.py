@@ -3,6 +3,7 @@ runs are reproducible, and the checker catches every bug we plant."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import pytest
@@ -58,7 +59,12 @@ def test_standard_mix_has_no_violation(block: int) -> None:
 # Violations the simulator found in the real code that nobody planted, not
 # fixed yet: (profile, seed) -> what. A test that meets one reports it as an
 # expected failure naming it, and fails on anything else.
-KNOWN_FINDINGS: dict[tuple[str, int], str] = {}
+KNOWN_FINDINGS: dict[tuple[str, int], str] = {
+    ("mixed", 8): "a leader shrinks two voters to itself and crashes before the commit index "
+    "covering the removal is synced (a commit-only hard state waits for the next sync); it "
+    "restarts under the old configuration and waits forever for the removed node's vote "
+    "(also sweep seeds 100033 100056 100121 100182 100212)",
+}
 
 
 def _known(profile: str, seed: int, v: SimViolation) -> bool:
@@ -126,13 +132,20 @@ def test_membership_goes_down_to_one_voter() -> None:
     assert low == 1
 
 
+def _trace(seed: int, steps: int) -> tuple[str, int]:
+    """The trace hash and step count of a run, whether or not it violates."""
+    sim = Simulation(seed, mixed_config(seed, steps))
+    with contextlib.suppress(SimViolation):
+        sim.run()
+    return sim.trace_hash(), sim.steps
+
+
 def test_same_seed_same_trace() -> None:
-    a = run(7, steps=2000)
-    b = run(7, steps=2000)
-    c = run(8, steps=2000)
-    assert a.trace_hash() == b.trace_hash()
-    assert a.steps == b.steps
-    assert a.trace_hash() != c.trace_hash()
+    a = _trace(7, 2000)
+    b = _trace(7, 2000)
+    c = _trace(8, 2000)
+    assert a == b
+    assert a[0] != c[0]
 
 
 def test_violation_names_the_reproducing_command() -> None:

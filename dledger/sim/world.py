@@ -299,7 +299,9 @@ class SimTransport:
 
     def receive(self, frm: int, payload: bytes) -> None:
         if not self.running or frm not in self.peers:
-            self.counters["rejected_unknown_sender"] = self.counters.get("rejected_unknown_sender", 0) + 1
+            self.counters["rejected_unknown_sender"] = (
+                self.counters.get("rejected_unknown_sender", 0) + 1
+            )
             return  # like the TCP handshake: only configured peers get in
         self.counters["frames_received"] += 1
         self.on_message(frm, payload)

@@ -63,7 +63,10 @@ Entries, votes and term changes are synced before any message that depends
 on them leaves (``Ready.must_sync``). A commit-index-only change of the hard
 state is written with the next sync (or at a clean stop) but does not cost
 an fsync of its own: a restarted node recomputes the commit index from its
-peers and the core clamps a saved one to its durable log anyway.
+peers and the core clamps a saved one to its durable log anyway. The
+exception is a commit index that covers a membership change: it is synced
+before the change is applied (``must_sync``), because a node that shrank the
+configuration to itself has no peers left to learn it from.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ Tables (each a Parquet directory under ``--out``, also per run):
 * ``timeline``: ok / fail / info per ``bucket_ms`` bucket, run and f
 * ``anomalies``: the queue checker's anomaly counts per run (lost-write,
   duplicate, inconsistent-offsets, aborted-read, poll-skip,
-  nonmonotonic-poll, unseen, stale-read); values are compared as text, so
+  nonmonotonic-poll, unseen, stale-read, non-contiguous-read); values are compared as text, so
   the int 1 and the string "1" are one value here (the harness never mixes
   them in one key)
 * ``results`` / ``bench``: what the result files say
@@ -75,6 +75,7 @@ ANOMALIES = (
     "nonmonotonic-poll",
     "unseen",
     "stale-read",
+    "non-contiguous-read",
 )
 PERCENTILES = (50, 95, 99)
 _MS = 1_000_000
@@ -429,6 +430,25 @@ def anomalies(ops: DataFrame) -> DataFrame:
         .agg(F.countDistinct("offset").alias("n"))
         .filter("n > 1"),
         "duplicate",
+    )
+    # a read whose result is not one run of offsets from where it started
+    # (the asked offset, or its first result's): one per read, as the checker
+    runs_of = ok.filter(
+        F.col("f").isin("read", "final_read", "poll") & (F.size("results") > 0)
+    ).select(
+        "run",
+        "key",
+        "id",
+        F.coalesce(F.col("offset").cast("long"), F.col("results")[0][0].cast("long")).alias(
+            "start"
+        ),
+        F.posexplode("results").alias("pos", "pair"),
+    )
+    named(
+        runs_of.filter(F.col("pair")[0].cast("long") != F.col("start") + F.col("pos"))
+        .select("run", "key", "id")
+        .distinct(),
+        "non-contiguous-read",
     )
     read_values = read_obs.select("run", "key", "value").distinct()
     produces = ops.filter((F.col("f") == "produce") & F.col("value").isNotNull())

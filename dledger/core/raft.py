@@ -443,7 +443,14 @@ class RawNode:
             must_sync=bool(entries)
             or self._installing is not None
             or hs.term != self._prev_hs.term
-            or hs.vote != self._prev_hs.vote,
+            or hs.vote != self._prev_hs.vote
+            # A commit index that covers a membership change is made durable
+            # before the change is applied: a restarted node learns its
+            # commit index from its peers, but a node that just shrank the
+            # configuration to itself has none left to learn it from, and
+            # with the old commit index it would wait for the vote of a
+            # removed node for ever (found by the node-driven simulator).
+            or any(e.type is EntryType.CONF_CHANGE for e in committed),
             snapshot=self._installing,
             snapshots_to_send=tuple(self._snap_msgs),
         )

@@ -271,6 +271,8 @@ class Ready:
     committed_entries: tuple[Entry, ...] = ()
     read_states: tuple[ReadState, ...] = ()
     read_failures: tuple[ReadFailed, ...] = ()
+    # entries, a snapshot, a new term or vote, or a commit index covering a
+    # membership change to make durable before anything of this Ready goes on
     must_sync: bool = False
     snapshot: Snapshot | None = None
     snapshots_to_send: tuple[Message, ...] = ()

@@ -413,3 +413,25 @@ def test_a_leader_removing_itself_tells_the_others_the_removal_committed() -> No
     assert two.log.committed >= idx and two.config.voters == (2,)
     net.tick((2,), times=3 * E)
     assert two.role is Role.LEADER
+
+
+def test_a_commit_index_covering_a_membership_change_is_synced() -> None:
+    """A lone voter that shrank the configuration to itself has nobody to
+    learn its commit index from after a restart: the Ready that applies a
+    membership change must make its commit index durable first (must_sync),
+    where a commit-only change otherwise waits for the next sync."""
+    net = Network.of((1, 2))
+    net.elect(1)
+    one = net.nodes[1]
+    idx = one.propose_conf_change(ConfChange(ConfChangeType.REMOVE_NODE, 2))
+    net.process(1)
+    resp = [m for m in net.take() if m.to == 2]
+    for m in resp:
+        net.nodes[2].step(m)
+    acks = [m for rd in drain(net.nodes[2]) for m in rd.messages]
+    for m in acks:
+        one.step(m)
+    rd = one.ready()
+    assert [e.index for e in rd.committed_entries] == [idx]
+    assert rd.hard_state is not None and rd.hard_state.commit == idx
+    assert rd.must_sync  # no new entries, no new term: only the membership change

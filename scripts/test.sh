@@ -12,8 +12,5 @@ echo "==> mypy --strict (dledger, broker_adapter, http_api, jepsen_like, pipelin
 echo "==> pytest"
 .venv/bin/python -m pytest -p no:cacheprovider "$@"
 echo "==> simulation sweep: 300 seeds of real nodes, 3- and 5-voter mixes with learners and every fault kind"
-# ~1 min on 2 idle cores (~2 min shared). It currently finds 5 liveness
-# violations (100033 100056 100121 100182 100212): e.g. a voter left alone by
-# a 2 -> 1 removal restarts before its commit index was synced and, under
-# the old configuration, waits forever for the removed node's vote.
+# ~1 min on 2 idle cores (~2 min shared).
 .venv/bin/python -m dledger.sim --seeds 300 --steps 5000 --first-seed 100001 --jobs 2

@@ -4,11 +4,9 @@ runs are reproducible, and the checker catches every bug we plant."""
 from __future__ import annotations
 
 import contextlib
-import inspect
 
 import pytest
 
-from dledger import node as node_module
 from dledger.core import raft as raft_module
 from dledger.core.raft import (
     FAULT_CAMPAIGN_UNAPPLIED_CONF,
@@ -37,14 +35,10 @@ def run(
 def test_standard_mix_has_no_violation(block: int) -> None:
     """30 seeds per block (3 and 5 voters, learners, every fault kind)."""
     elections = proposals = acked = 0
-    known: list[str] = []
     for seed in range(block * 30 + 1, block * 30 + 31):
         try:
             sim = run(seed)
         except SimViolation as v:  # the message carries "reproduce with: ..."
-            if _known("mixed", seed, v):
-                known.append(f"seed {seed}: {v.what[:120]}")
-                continue
             pytest.fail(str(v))
         elections += sim.stats["elections"]
         proposals += sim.stats["proposals"]
@@ -52,33 +46,6 @@ def test_standard_mix_has_no_violation(block: int) -> None:
     assert elections > 50  # the faults really forced leader changes
     assert proposals > 1000
     assert acked > 300
-    if known:
-        pytest.xfail("known findings (KNOWN_FINDINGS, issue #12): " + "; ".join(known))
-
-
-# Violations the simulator found in the real code that nobody planted, not
-# fixed yet: (profile, seed) -> what. A test that meets one reports it as an
-# expected failure naming it, and fails on anything else.
-KNOWN_FINDINGS: dict[tuple[str, int], str] = {
-    ("mixed", 8): "a leader shrinks two voters to itself and crashes before the commit index "
-    "covering the removal is synced (a commit-only hard state waits for the next sync); it "
-    "restarts under the old configuration and waits forever for the removed node's vote "
-    "(also sweep seeds 100033 100056 100121 100182 100212)",
-}
-
-
-def _known(profile: str, seed: int, v: SimViolation) -> bool:
-    return (profile, seed) in KNOWN_FINDINGS or _known_issue_12(v)
-
-
-def _known_issue_12(v: SimViolation) -> bool:
-    """A violation the real bugs 1 (campaign with a committed conf change
-    unapplied) or 2 (a node that thinks it is a learner ignores votes) cause,
-    while their fixes are not on this branch."""
-    fixed = _implemented(FAULT_CAMPAIGN_UNAPPLIED_CONF) and _implemented(
-        FAULT_LEARNER_IGNORES_VOTES
-    )
-    return not fixed and v.what.startswith(("liveness:", "election safety:"))
 
 
 PROFILES_CHECKED = [
@@ -96,28 +63,23 @@ PROFILES_CHECKED = [
 @pytest.mark.parametrize("profile", PROFILES_CHECKED)
 def test_emphasis_profiles_have_no_violation(profile: str) -> None:
     """The profiles that catch the planted bugs find nothing with them off."""
-    known: list[str] = []
     for seed in range(1, 9):
         try:
             run(seed, steps=5000, profile=profile)
         except SimViolation as v:
-            if _known(profile, seed, v):
-                known.append(f"seed {seed}: {v.what[:120]}")
-                continue
             pytest.fail(str(v))
-    if known:
-        pytest.xfail("known findings (KNOWN_FINDINGS, issue #12): " + "; ".join(known))
 
 
 @pytest.mark.parametrize(
     ("profile", "fault"),
     [("conf-replay", FAULT_CAMPAIGN_UNAPPLIED_CONF), ("learner-vote", FAULT_LEARNER_IGNORES_VOTES)],
 )
-def test_issue_12_scenarios_have_no_violation_once_fixed(profile: str, fault: str) -> None:
-    """Without main's core fixes these scenarios find the real bugs 1 and 2
-    (the switch names exist here, the fix and the switch land together)."""
-    if not _implemented(fault):
-        pytest.skip(f"the core fix behind {fault} is not on this branch yet")
+def test_issue_12_scenarios_have_no_violation(profile: str, fault: str) -> None:
+    """Before the core fixes these scenarios found the real bugs 1 and 2
+    without any switch (conf-replay 9 of 10 seeds, learner-vote 8 of 8); with
+    the fixes they find nothing, and with the switch (the old rule) they do
+    (test_checker_catches_fault_switch)."""
+    assert fault in raft_module.CORE_FAULTS
     for seed in range(1, 9):
         try:
             run(seed, steps=5000, profile=profile)
@@ -158,15 +120,6 @@ def test_violation_names_the_reproducing_command() -> None:
     assert "trace tail:" in msg
 
 
-def _implemented(fault: str) -> bool:
-    """Main lands the core half of the issue #12 switches; until then the
-    name exists but nothing in the core reads it."""
-    src = inspect.getsource(raft_module)
-    const = next(k for k, v in vars(raft_module).items() if k.startswith("FAULT_") and v == fault)
-    used = src.count(const) > 2  # definition + CORE_FAULTS + at least one use
-    return used or const in inspect.getsource(node_module)
-
-
 # (fault switch, profile): each must be caught in at least 15 of the 30
 # seeds 1..30 (runs are deterministic: this passes or fails the same way
 # every time).
@@ -189,8 +142,6 @@ NEEDED = 15
 
 @pytest.mark.parametrize(("fault", "profile"), SWITCHES, ids=[s[0] for s in SWITCHES])
 def test_checker_catches_fault_switch(fault: str, profile: str) -> None:
-    if fault in raft_module.CORE_FAULTS and not _implemented(fault):
-        pytest.skip(f"{fault}: the core does not implement this switch yet (lands on main)")
     caught: list[int] = []
     missed: list[int] = []
     for seed in SEEDS:

@@ -757,10 +757,15 @@ class RawNode:
         # 1" on {2,3} and then lost 2 could never elect anyone.
         if FAULT_LEARNER_IGNORES_VOTES in self._faults and not self.config.is_voter(self.id):
             return  # planted bug: the old rule
-        if m.frm not in self.config.members():
+        if m.frm not in self.config.members() and self.config.is_voter(self.id):
             # A removed (or never added) node must not disrupt the members.
             # A learner candidate is answered: it may hold a promotion we
-            # have not applied yet.
+            # have not applied yet. And a node that is not a voter in its own
+            # view (a learner, or a new node that has applied nothing yet)
+            # answers everyone: its configuration is the stale one (a new
+            # node added and promoted before it applied anything refused the
+            # only candidate that could win; node-driven simulator, 2 of 2000
+            # seeds).
             self._send(Message(resp_type, m.frm, self.id, self.term, reject=True))
             return
         can_vote = (

@@ -435,3 +435,14 @@ def test_a_commit_index_covering_a_membership_change_is_synced() -> None:
     assert [e.index for e in rd.committed_entries] == [idx]
     assert rd.hard_state is not None and rd.hard_state.commit == idx
     assert rd.must_sync  # no new entries, no new term: only the membership change
+
+
+def test_a_node_outside_its_own_configuration_answers_any_candidate() -> None:
+    """A new node added and promoted before it applied anything still holds
+    the bootstrap configuration, which lists neither it nor the candidate: its
+    configuration is the stale one, so it answers (a voter refuses strangers)."""
+    n = new_node(5, (1, 2, 3))
+    assert not n.config.is_voter(5)
+    n.step(Message(MsgType.VOTE, 5, 8, 3, log_term=3, index=23))
+    (resp,) = read_messages(n)
+    assert resp.type is MsgType.VOTE_RESP and not resp.reject

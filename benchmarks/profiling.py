@@ -78,7 +78,7 @@ def profile_leader(
         "-o",
         str(out_prof),
         "-m",
-        "dledger.cli",
+        "dledger_app.cli",
         "node",
         "--cluster",
         str(lc.cluster_path),

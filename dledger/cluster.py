@@ -8,7 +8,7 @@ tests use. A cluster lives in one directory::
     DIR/node-<id>.log     each node's stdout and stderr
     DIR/node-<id>/        each node's LMDB data directory
 
-Each node runs as ``python -m dledger.cli node --cluster DIR/cluster.toml
+Each node runs as ``python -m dledger_app.cli node --cluster DIR/cluster.toml
 --id ID`` in its own session, so it outlives the command that started it.
 A recorded pid is only signalled while ``/proc/<pid>/stat`` still shows the
 start time recorded with it: a pid the kernel recycled is left alone.
@@ -282,7 +282,7 @@ class LocalCluster:
         argv = [
             sys.executable,
             "-m",
-            "dledger.cli",
+            "dledger_app.cli",
             "node",
             "--cluster",
             str(cluster_file or self.cluster_path),

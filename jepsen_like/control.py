@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 The harness writes the cluster file itself (TOML, the format documented in
 ``dledger/config.py``) and starts every member as
-``python -m dledger.cli node --cluster FILE --id ID``, inside the member's
+``python -m dledger_app.cli node --cluster FILE --id ID``, inside the member's
 network namespace (``ip netns exec``, which execs, so the PID we hold is
 the node's) or on 127.0.0.1 when namespaces are unavailable. It never
 imports server code: it talks HTTP (``/v1/cluster``, ``/readyz``) and sends
@@ -272,7 +272,7 @@ class Cluster:
         argv = [
             sys.executable,
             "-m",
-            "dledger.cli",
+            "dledger_app.cli",
             "node",
             "--cluster",
             str(self.cluster_file),

@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # The demo needs no Spark or benchmark extras; the test command installs those.
 DLEDGER_EXTRAS=${DLEDGER_EXTRAS:-dev} bash scripts/setup.sh
-.venv/bin/python -m dledger.demo "$@"
+.venv/bin/python -m dledger_app.demo "$@"

@@ -45,7 +45,7 @@ def test_cli_produce_consume_and_topics(
         e = dict(env, DLEDGER_TOKEN=token) if token else env
         extra = ["--endpoints", eps] if endpoints else []
         return subprocess.run(
-            [sys.executable, "-m", "dledger.cli", *argv, *extra],
+            [sys.executable, "-m", "dledger_app.cli", *argv, *extra],
             capture_output=True, text=True, env=e, cwd=cwd, input=stdin, timeout=60,
         )  # fmt: skip
 
@@ -98,7 +98,7 @@ def test_cli_produce_consume_and_topics(
 
     # --follow wakes up on new data (and stops at --max)
     follower = subprocess.Popen(
-        [sys.executable, "-m", "dledger.cli", "consume", "orders", "--group", "g4",
+        [sys.executable, "-m", "dledger_app.cli", "consume", "orders", "--group", "g4",
          "--from", "latest", "--follow", "--max", "2", "--wait-ms", "500", "--endpoints", eps],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(env, DLEDGER_TOKEN=APP),
     )  # fmt: skip

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from dledger import cli as dledger_cli
 from dledger.cluster import LocalCluster
+from dledger_app import cli as dledger_cli
 from http_api.cli import DEFAULT_TIMEOUT_S
 from jepsen_like.__main__ import main as jepsen_main
 from jepsen_like.nemesis import ALL_KINDS
@@ -29,7 +29,7 @@ ENV = {k: v for k, v in os.environ.items() if k not in ("DLEDGER_TOKEN", "DLEDGE
 
 def dledger(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "dledger.cli", *argv],
+        [sys.executable, "-m", "dledger_app.cli", *argv],
         capture_output=True,
         text=True,
         env=ENV,

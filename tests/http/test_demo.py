@@ -1,4 +1,4 @@
-"""The README's first command runs `python -m dledger.demo`: it must start a
+"""The README's first command runs `python -m dledger_app.demo`: it must start a
 real 3-node cluster, produce and consume with offsets, survive a leader
 kill, print the CLI's consume output, and stop every process it started."""
 
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 def test_demo_runs_end_to_end_and_stops_its_processes(tmp_path: Path) -> None:
     d = tmp_path / "demo"
     r = subprocess.run(
-        [sys.executable, "-m", "dledger.demo", "--dir", str(d)],
+        [sys.executable, "-m", "dledger_app.demo", "--dir", str(d)],
         capture_output=True, text=True, timeout=200,
     )  # fmt: skip
     out = r.stdout

@@ -459,7 +459,7 @@ def test_cli_cluster_up_status_kill_restart_down(tmp_path: Path) -> None:
 
     def dledger(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "dledger.cli", *args],
+            [sys.executable, "-m", "dledger_app.cli", *args],
             capture_output=True,
             text=True,
             timeout=timeout,

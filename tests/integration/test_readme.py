@@ -38,11 +38,16 @@ def snippets() -> dict[str, tuple[str, str]]:
     return {m[1]: (m[2], m[3]) for m in MARK.finditer(README.read_text(encoding="utf-8"))}
 
 
-def test_the_readme_starts_with_its_title_and_the_two_commands() -> None:
+def test_the_readme_starts_with_the_two_commands_then_its_title() -> None:
     text = README.read_text(encoding="utf-8")
-    assert text.startswith(
-        "# DLedger-py\n\n```bash\nbash scripts/demo.sh\nbash scripts/test.sh\n```\n"
-    )
+    block, _, rest = text.partition("```\n\n")
+    lines = block.splitlines()
+    assert lines[0] == "```bash" and len(lines) == 3, lines
+    assert lines[1].startswith("bash scripts/demo.sh ")
+    assert lines[2].startswith("bash scripts/test.sh ")
+    assert rest.startswith("# DLedger-py\n")
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    assert "bash scripts/test.sh" in ci  # CI runs the README's test command
     assert set(snippets()) == {"cli", "curl", "spark"}
     # every link in it points into the repository
     for target in re.findall(r"\]\(([^)]+)\)", text):

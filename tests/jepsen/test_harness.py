@@ -115,7 +115,7 @@ def test_a_node_refuses_fault_switches_without_the_enable_variable(tmp_path: Pat
         f'http = "127.0.0.1:2"\ndata_dir = "{tmp_path / "d"}"\n'
     )
     p = subprocess.run(
-        [sys.executable, "-m", "dledger.cli", "node", "--cluster", str(cf), "--id", "1"],
+        [sys.executable, "-m", "dledger_app.cli", "node", "--cluster", str(cf), "--id", "1"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -1,4 +1,4 @@
-"""``python -m dledger.demo``: the newcomer's tour of a real local cluster.
+"""``python -m dledger_app.demo``: the newcomer's tour of a real local cluster.
 
 Starts three node processes on 127.0.0.1 (LMDB storage, authenticated peer
 links, fsync on a quorum before every acknowledgement), creates a topic,
@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from dledger import cli as dledger_cli
 from dledger.cluster import LocalCluster
+from dledger_app import cli as dledger_cli
 from http_api.client import ApiError, Client, OutMessage, Record
 
 
@@ -27,7 +27,7 @@ def say(msg: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dledger.demo", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m dledger_app.demo", description=__doc__)
     ap.add_argument("--dir", default="run/demo", help="where the cluster lives (wiped first)")
     ap.add_argument("--keep", action="store_true", help="leave the cluster running at the end")
     a = ap.parse_args(argv)

@@ -11,15 +11,14 @@ parse (200,000 messages or properties: 422, parsed off the loop)."""
 
 from __future__ import annotations
 
-import gzip
 import json
 import threading
 import time
-import zlib
 from collections.abc import Callable
 
 import pytest
 
+from benchmarks.bench_looplag import worst_requests as bench_worst_requests
 from dledger.cluster import HTTP_ERRORS, http_request
 from dledger.config import NodeConfig
 from tests.http.apiclient import ApiCluster, wait_for
@@ -37,48 +36,12 @@ def _dump(o: object) -> bytes:
 
 
 def worst_requests(cfg: NodeConfig) -> dict[str, tuple[bytes, dict[str, str], int]]:
-    """name -> (body, headers, expected status)."""
+    """The benchmark's worst requests (one builder for both), each accepted
+    one within the body cap."""
+    out = bench_worst_requests(cfg)
     cap = cfg.http_body_cap_bytes
-    json_h = {"Content-Type": "application/json"}
-    most_msgs = _dump({"messages": [{"value": "AA=="}] * cfg.max_batch_messages})
-    m = {
-        "value": "AA==",
-        "properties": {f"k{i:03d}": "" for i in range(cfg.max_message_properties)},
-    }
-    n = min(
-        cfg.max_batch_messages,
-        (cap - 64) // (len(_dump(m)) + 1),
-        cfg.max_batch_properties // cfg.max_message_properties,
-    )
-    most_props = _dump({"messages": [m] * n})
-    # largest inflated body: values of base64 text filling the cap
-    value = "A" * 4000
-    per = len(_dump({"value": value})) + 1
-    big = _dump({"messages": [{"value": value}] * ((cap - 64) // per)})
-    co = zlib.compressobj(9, zlib.DEFLATED, 31)
-    bomb = co.compress(b"\0" * (256 << 20)) + co.flush()
-    gz = {**json_h, "Content-Encoding": "gzip"}
-    assert len(most_msgs) <= cap and len(most_props) <= cap and len(big) <= cap
-    return {
-        "most_messages": (most_msgs, json_h, 200),
-        "most_properties": (most_props, json_h, 200),
-        "largest_inflated": (gzip.compress(big), gz, 200),
-        "gzip_bomb": (bomb, gz, 413),
-        "bad_gzip": (most_msgs[:5000], gz, 400),
-        # refused by the caps, but only known after a parse (done off the loop)
-        "200k_messages": (_dump({"messages": [{"value": "AA=="}] * 200_000}), json_h, 422),
-        "200k_properties": (
-            _dump(
-                {
-                    "messages": [
-                        {"value": "AA==", "properties": {str(i): "" for i in range(200_000)}}
-                    ]
-                }
-            ),
-            json_h,
-            422,
-        ),
-    }
+    assert all(len(body) <= cap for body, _, want in out.values() if want == 200)
+    return out
 
 
 class Producer(threading.Thread):

@@ -273,7 +273,9 @@ class Node:
         # index at start, and snapshot sends to report as failed after advance().
         self._snap: Snapshot | None = None
         self.restored_from_snapshot = 0
-        self._snap_failed: list[int] = []
+        # Snapshot streams that ended, reported to the core after advance():
+        # (peer, delivered).
+        self._snap_reports: list[tuple[int, bool]] = []
         self._streams = SnapshotStreams(
             cfg.node_id,
             StreamSettings(
@@ -285,6 +287,7 @@ class Node:
             send=self._send_frame,
             deliver=self._deliver_snapshot,
             failed=self._stream_failed,
+            sent=self._stream_sent,
             counters=self.counters,
             clock=self._clock,
             offload=self.env.offload,
@@ -753,7 +756,11 @@ class Node:
         self._wake.set()
 
     def _stream_failed(self, to: int) -> None:
-        self._snap_failed.append(to)  # report_snapshot(to, False) after advance()
+        self._snap_reports.append((to, False))  # report_snapshot after advance()
+        self._wake.set()
+
+    def _stream_sent(self, to: int) -> None:
+        self._snap_reports.append((to, True))
         self._wake.set()
 
     def _enqueue(self, fut: asyncio.Future[Any], op: Callable[[], None]) -> None:
@@ -791,9 +798,9 @@ class Node:
                     self._after_advance(r, rd, conf_applied)
                     if rd.snapshot is not None:
                         self._update_peers(r)
-                    for to in self._snap_failed:
-                        r.report_snapshot(to, False)
-                    self._snap_failed.clear()
+                    for to, ok in self._snap_reports:
+                        r.report_snapshot(to, ok)
+                    self._snap_reports.clear()
                     self._maybe_start_snapshot(r)
                     # Time passed during the fsync: tick, then take what
                     # queued meanwhile, so the next Ready batches it.
@@ -971,7 +978,7 @@ class Node:
                     snap.meta if snap is not None else None,
                 )
                 self.counters["snapshots_send_failed"] += 1
-                self._snap_failed.append(m.to)
+                self._snap_reports.append((m.to, False))
                 continue
             if self._streams.send_snapshot(m, snap):
                 logger.info(

@@ -492,7 +492,8 @@ class SnapshotStreams:
 
     ``send(peer, payload) -> bool`` is the transport's send; ``deliver(m)``
     puts a complete SNAPSHOT message into the node's inbox; ``failed(peer)``
-    reports a failed transfer to the core (after the next advance)."""
+    reports a failed transfer to the core (after the next advance), and
+    ``sent(peer)`` a complete one (the receiver acknowledged every byte)."""
 
     def __init__(
         self,
@@ -504,8 +505,10 @@ class SnapshotStreams:
         counters: dict[str, int],
         clock: Callable[[], float] = time.monotonic,
         offload: Callable[[Callable[[bytes], int], bytes], Awaitable[int]] | None = None,
+        sent: Callable[[int], None] | None = None,
     ) -> None:
         self.node_id = node_id
+        self._sent = sent
         # The node's clock and worker-thread runner (dledger/runtime.py), so
         # the simulator drives streams on virtual time too.
         self._clock = clock
@@ -678,6 +681,8 @@ class SnapshotStreams:
                 to,
                 dt,
             )
+            if self._sent is not None:
+                self._sent(to)
         else:
             self.counters["snapshots_send_failed"] += 1
             self.counters["snapshot_stream_aborts"] += 1

@@ -77,10 +77,14 @@ class Progress:
         self.inflight.clear()
         self.inflight_bytes = 0
 
-    def become_probe(self) -> None:
+    def become_probe(self, after_snapshot: int = 0) -> None:
+        """Probe from ``match + 1``; or, when the snapshot at ``after_snapshot``
+        was delivered, from just past it (its answer may still be coming, or
+        was lost: the probe asks again)."""
         self.state = ProgressState.PROBE
-        self.next = self.match + 1
+        self.next = max(self.match, after_snapshot) + 1
         self.probe_sent = False
+        self.pending_snapshot = 0
         self._clear_inflight()
 
     def become_snapshot(self, index: int, tick: int) -> None:

@@ -381,15 +381,16 @@ class RawNode:
         return self._snapshot
 
     def report_snapshot(self, to: int, ok: bool) -> None:
-        """The driver failed (``ok=False``) to deliver a snapshot: try again."""
+        """The driver delivered (``ok=True``) or failed to deliver a snapshot.
+
+        Failed: try again. Delivered: probe just past it, so the follower's
+        answer to that probe moves it on even if its answer to the snapshot
+        itself was lost (a resent snapshot it already holds is acknowledged
+        by the stream but never reaches its core again: without this probe
+        the leader would wait for that answer for ever)."""
         pr = self._progress.get(to)
-        if (
-            not ok
-            and self.role is Role.LEADER
-            and pr is not None
-            and pr.state is ProgressState.SNAPSHOT
-        ):
-            pr.become_probe()
+        if self.role is Role.LEADER and pr is not None and pr.state is ProgressState.SNAPSHOT:
+            pr.become_probe(after_snapshot=pr.pending_snapshot if ok else 0)
 
     def campaign(self) -> None:
         """Start an election now (used by tests and by a single-node bootstrap)."""

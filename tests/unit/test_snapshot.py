@@ -307,3 +307,32 @@ def test_memory_storage_keeps_the_synced_snapshot_across_a_crash() -> None:
     st.save_snapshot(Snapshot(SnapshotMeta(3, 1, 0, CFG), b"b"))
     st.crash()  # the unsynced newer snapshot is lost, the synced one stays
     assert st.snapshot() == a and st.first_index() == 3 and st.term(2) == 1
+
+
+def test_a_delivered_snapshot_whose_answer_was_lost_is_followed_by_a_probe() -> None:
+    """Simulator seeds 1508, 1681 and 1870 of 2000: the follower installed the
+    snapshot but its answer was lost. Every resend of that snapshot is
+    acknowledged by the receiving stream (it already delivered it) without
+    reaching the core again, so no answer ever comes: the leader waited in
+    SNAPSHOT for ever and the follower never caught up. A stream that
+    completes is reported (``ok=True``); the leader then probes just past the
+    snapshot, and the answer to that probe moves the follower on."""
+    net = lagging_follower_net()
+    leader = net.nodes[1]
+    # the follower's answer to the snapshot is lost
+    net.intercept = lambda m: m.type is MsgType.APP_RESP and m.frm == 3 and not m.reject
+    net.tick([1])
+    assert of_type(net.delivered, MsgType.SNAPSHOT)
+    assert net.nodes[3].log.committed == leader.log.committed
+    assert leader.status().peers[3].state == "SNAPSHOT"
+    net.intercept = None
+    net.dropped_types.add(MsgType.SNAPSHOT)  # a resend never reaches the core
+    leader.report_snapshot(3, ok=True)  # the stream completed
+    assert leader.status().peers[3].state == "PROBE"
+    leader.propose(b"after")
+    net.deliver_all()
+    net.tick([1], times=3)
+    assert len(of_type(net.delivered, MsgType.SNAPSHOT)) == 1
+    pr = leader.status().peers[3]
+    assert pr.state == "REPLICATE" and pr.match == leader.log.last_index()
+    assert net.nodes[3].log.committed == leader.log.committed

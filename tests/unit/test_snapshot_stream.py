@@ -481,11 +481,18 @@ class Pair:
         self.drop = drop or (lambda to, b: False)
         self.delivered: list[Message] = []
         self.failed: list[int] = []
+        self.sent: list[int] = []
         self.lc: dict[str, int] = {}
         self.fc: dict[str, int] = {}
         self.refuse = False
         self.leader = SnapshotStreams(
-            LEADER, cfg, self._send(LEADER), lambda m: None, self.failed.append, self.lc
+            LEADER,
+            cfg,
+            self._send(LEADER),
+            lambda m: None,
+            self.failed.append,
+            self.lc,
+            sent=self.sent.append,
         )
         self.follower = SnapshotStreams(
             FOLLOWER, cfg, self._send(FOLLOWER), self.delivered.append, lambda p: None, self.fc
@@ -517,6 +524,7 @@ async def test_glue_streams_a_many_chunk_snapshot() -> None:
     assert not p.leader.send_snapshot(snap_msg(), Snapshot(META, payload))
     await p.wait(lambda: p.lc["snapshots_sent"] == 1)
     assert [m.snapshot_data == payload for m in p.delivered] == [True]
+    assert p.sent == [FOLLOWER] and p.failed == []
     assert p.delivered[0].snapshot == META and p.delivered[0].frm == LEADER
     n = -(-len(payload) // 4096)
     assert p.lc["snapshot_chunks_sent"] == n and p.fc["snapshot_chunks_received"] == n
@@ -596,3 +604,18 @@ async def test_glue_counts_garbage_and_never_raises() -> None:
     await asyncio.sleep(0)
     assert p.delivered == [] and p.fc["snapshot_stream_rejects"] == 1
     await p.follower.close()
+
+
+async def test_glue_resend_of_a_delivered_snapshot_reports_sent_without_a_second_delivery() -> None:
+    """The receiver already delivered this snapshot (its core's answer may
+    have been lost): a resend is acknowledged as done and not delivered
+    again, and the sender still reports it sent, so the leader's core probes
+    past it instead of waiting for an answer that never comes."""
+    p = Pair(StreamSettings(chunk_bytes=1024, window_chunks=2, timeout_s=5.0))
+    payload = bytes(range(256)) * 10
+    assert p.leader.send_snapshot(snap_msg(), Snapshot(META, payload))
+    await p.wait(lambda: p.sent == [FOLLOWER])
+    assert p.leader.send_snapshot(snap_msg(), Snapshot(META, payload))
+    await p.wait(lambda: p.sent == [FOLLOWER, FOLLOWER])
+    assert len(p.delivered) == 1 and p.failed == []
+    await p.leader.close()

@@ -848,7 +848,7 @@ class Node:
         due = self._due_s()
         if self.cfg.flush == "async":
             # the interval fsync runs between passes: never sleep through it
-            due = min(due, self._last_flush_s + self.cfg.flush_interval_ms / 1000)
+            due = min(due, self._flush_due_s())
         self._planned_wake_s = due
         delay = due - self._clock()
         if delay <= 0:
@@ -1070,9 +1070,16 @@ class Node:
         if st is None or self.cfg.flush != "async":
             return
         now = self._clock()
-        if now - self._last_flush_s >= self.cfg.flush_interval_ms / 1000:
+        # The same expression as the wake-up time in _wait_for_work: written
+        # as ``now - last >= interval`` it can be false by a rounding error
+        # when the loop wakes exactly at ``last + interval``, and the loop
+        # then spins without sleeping or flushing.
+        if now >= self._flush_due_s():
             self._last_flush_s = now
             await self.env.offload(st.maybe_flush, now)
+
+    def _flush_due_s(self) -> float:
+        return self._last_flush_s + self.cfg.flush_interval_ms / 1000
 
     def _send(self, rd: Ready, early: bool) -> None:
         tr = self._transport

@@ -30,6 +30,18 @@ the read began. After the faulty phase everything heals (optionally leaving
 one voter down), and the cluster must elect a leader and converge (liveness);
 then every acknowledged write must be in the agreed applied log.
 
+``flush="async"`` (profile ``power-loss``) promises less, and is checked
+for exactly that: a crash loses what was not flushed (every crash here is a
+power loss), so acknowledged writes may be lost, a majority may come back
+with a shorter log than a survivor's commit index, and a new leader may
+commit other entries at those indexes. What must still hold: every entry a
+node applies was committed by a leader holding exactly that entry (a
+follower never applies a tail nobody committed); a replica that finds the
+leader's history differing below its own commit index stops
+(``ReplicaDiverged``) and is rebuilt empty, keeping its term and vote; and
+after healing all members converge on one applied history (equal digests).
+Elections stay safe because a term or vote is fsynced at once in both modes.
+
 A violation raises :class:`SimViolation` with the seed, the command that
 reproduces it and the trace tail. Two runs of one seed have the same trace
 hash (the determinism check).
@@ -62,7 +74,7 @@ from dledger.core.types import (
     ReadMode,
     Role,
 )
-from dledger.errors import DLedgerError
+from dledger.errors import DLedgerError, ReplicaDiverged
 from dledger.node import NODE_FAULTS, Node
 from dledger.runtime import NodeEnv, NodeStorage
 from dledger.sim.world import Host, HostCrashed, SimStorage
@@ -152,6 +164,7 @@ class SimConfig:
     slow_replay_rate: float = 0.3  # restarts that apply one entry per Ready, slowly
     slow_apply_cost_s: float = 0.003
     flush: str = "sync"  # "async": fsync once per flush interval (may lose acked writes)
+    power_loss_rate: float = 0.0  # per step: a majority (or all) lose power at once
     scenario: str = ""  # a scripted nemesis (profiles for specific bugs)
 
 
@@ -234,6 +247,10 @@ class Simulation:
         self.max_commit_seen_term = 0
         self.commit_times: list[tuple[float, int]] = []  # (global time, max commit)
         self.acks: list[_Ack] = []
+        # async mode: (index, term) -> CRC of every entry a leader committed,
+        # and applies waiting to be checked against it after their pass.
+        self.committed_by_leader: dict[tuple[int, int], int] = {}
+        self._pending_applies: list[tuple[int, int, int, int]] = []
         self._wseq = 0
         self.faulty = True
         self.read_only_phase = False
@@ -261,6 +278,9 @@ class Simulation:
                 "snapshots_taken",
                 "snapshots_installed",
                 "min_voters",
+                "power_losses",
+                "rebuilt",
+                "acked_lost",
             ),
             0,
         )
@@ -387,6 +407,19 @@ class Simulation:
 
         r.read_index = read_index  # type: ignore[method-assign]
         host.commit_seen = r.log.committed
+        if self.cfg.flush == "async":
+            # Recorded the moment the leader commits: it may step down (or
+            # crash) later in the same pass, before the pass is checked.
+            orig_commit = r._maybe_commit
+
+            def maybe_commit() -> bool:
+                before = r.log.committed
+                moved = orig_commit()
+                if moved:
+                    self._record_leader_commit(r, before, r.log.committed)
+                return moved
+
+            r._maybe_commit = maybe_commit  # type: ignore[method-assign]
 
     def _loop_error(self, loop: Any, ctx: dict[str, Any]) -> None:
         exc = ctx.get("exception")
@@ -494,6 +527,9 @@ class Simulation:
         if node.fatal is not None:
             if isinstance(node.fatal, SimViolation):
                 raise node.fatal
+            if isinstance(node.fatal, ReplicaDiverged) and self.cfg.flush == "async":
+                self._rebuild(host.nid)
+                return
             self.fail(f"node {host.nid} stopped on {type(node.fatal).__name__}: {node.fatal}")
         self._check_host(host, host.busy_until, voters_before)
 
@@ -579,6 +615,12 @@ class Simulation:
             prev_term = e.term
 
     def on_apply(self, host: Host, e: Entry, digest: bytes) -> None:
+        if self.cfg.flush == "async":
+            # Histories may fork after a power loss of a majority (the lost
+            # tail is rewritten): checked against what leaders committed,
+            # once the pass is over.
+            self._pending_applies.append((host.nid, e.index, e.term, zlib.crc32(e.data)))
+            return
         if self.digest_at.setdefault(e.index, digest) != digest:
             self.fail(
                 f"state machine safety: node {host.nid}'s applied prefix up to {e.index} "
@@ -602,7 +644,7 @@ class Simulation:
                 f"node {host.nid} restores a snapshot at {index} but its state machine "
                 f"already applied {host.sm.index} (a stale snapshot is never installed)"
             )
-        if index and self.digest_at.setdefault(index, digest) != digest:
+        if index and self.cfg.flush != "async" and self.digest_at.setdefault(index, digest) != digest:
             self.fail(
                 f"state machine safety: node {host.nid} restored a snapshot at {index} whose "
                 "applied-prefix digest differs from what other nodes applied there"
@@ -642,7 +684,7 @@ class Simulation:
                     )
                 self.leader_commits[c] = term
                 self._check_commit_safe(nid, c, term, r.config.voters)
-            elif self.leader_commits.get(c, term) != term:
+            elif self.cfg.flush != "async" and self.leader_commits.get(c, term) != term:
                 self.fail(
                     f"node {nid} committed {c}@t{term}; a leader committed another term there"
                 )
@@ -652,6 +694,23 @@ class Simulation:
                 self.max_commit_seen_term = r.term
                 self.commit_times.append((t, c))
         self.stats["min_voters"] = min(self.stats["min_voters"], len(r.config.voters))
+        if self._pending_applies:
+            self._check_async_applies()
+
+    def _record_leader_commit(self, r: RawNode, lo: int, hi: int) -> None:
+        """Async mode: remember every entry the leader just committed."""
+        lo = max(lo, r.log.first_index() - 1)
+        for e in r.log.entries(lo + 1, hi + 1):
+            self.committed_by_leader[(e.index, e.term)] = zlib.crc32(e.data)
+
+    def _check_async_applies(self) -> None:
+        for nid, index, term, crc in self._pending_applies:
+            if self.committed_by_leader.get((index, term)) != crc:
+                self.fail(
+                    f"node {nid} applied {index}@t{term}, which no leader committed "
+                    "(a follower applied a tail it held without the leader confirming it)"
+                )
+        self._pending_applies.clear()
 
     def _on_elected(self, host: Host, r: RawNode, t: float) -> None:
         nid = host.nid
@@ -667,7 +726,8 @@ class Simulation:
         self.elections.append((t, r.term, nid))
         self.trace(f"n{nid} leader t{r.term} voters={list(r.config.voters)}")
         if (
-            r.term > self.max_commit_seen_term
+            self.cfg.flush != "async"  # a majority's power loss may take committed entries
+            and r.term > self.max_commit_seen_term
             and self.max_commit
             and not self._log_holds(r, self.max_commit, self.max_commit_entry_term)
         ):
@@ -869,6 +929,11 @@ class Simulation:
             return
         sm = host.sm
         idx, reg_index, value = sm.index, sm.reg_index, sm.register
+        if self.cfg.flush == "async":
+            # A power loss of a majority may take acknowledged writes (and
+            # what reads returned) back: no by-value promise across it.
+            self.stats["committed_reads" if consistency == "committed" else "reads_ok"] += 1
+            return
         if consistency == "committed":
             self.stats["committed_reads"] += 1
         else:
@@ -986,6 +1051,10 @@ class Simulation:
             self._partition()
             return
         x -= c.partition_rate
+        if x < c.power_loss_rate:
+            self.power_loss()
+            return
+        x -= c.power_loss_rate
         if x < c.pause_rate:
             live = [n for n in sorted(self.hosts) if not self.hosts[n].paused]
             if live:
@@ -1016,6 +1085,58 @@ class Simulation:
             restart_after_s = self.rng.uniform(0.001, 0.01) if fast else self.rng.uniform(0.05, 0.4)
         if restart_after_s >= 0:
             self._at(self.now + restart_after_s, "restart", nid)
+
+    def _rebuild(self, nid: int) -> None:
+        """Async mode: a replica that stopped on ReplicaDiverged is rebuilt
+        from the leader: its log and state machine are dropped, its term and
+        vote kept (the operator's procedure keeps the node's identity), and
+        it restarts empty."""
+        h = self.hosts.pop(nid, None)
+        if h is None:
+            return
+        h.alive = False
+        h.loop.discard()
+        old = self.storages.pop(nid)
+        hs = old.hard_state()
+        st = self.storages[nid] = SimStorage(
+            nid,
+            self,
+            flush=self.cfg.flush,
+            flush_interval_s=0.1,
+            no_fsync=FAULT_NO_FSYNC in self.cfg.faults,
+        )
+        st.save_hard_state(dataclasses.replace(hs, commit=0))
+        st.sync()
+        self.stats["rebuilt"] += 1
+        self.trace(f"n{nid} diverged: rebuilt empty (term {hs.term}, vote {hs.vote})")
+        self._at(self.now + self.rng.uniform(0.05, 0.2), "restart", nid)
+
+    def power_loss(self) -> None:
+        """A majority of the voters (sometimes all) lose power at once and
+        lose what they had not flushed; the survivors are often cut off from
+        them for a while, so the majority elects a leader and writes over
+        the lost tail before a survivor is heard from again."""
+        rng = self.rng
+        lead = self._leader()
+        if lead is None or lead.node._raft is None:
+            return
+        voters = [v for v in lead.node._raft.config.voters if v in self.hosts]
+        if len(voters) < 2:
+            return
+        n = len(voters) if rng.random() < 0.25 else len(voters) // 2 + 1
+        down = sorted(rng.sample(voters, min(n, len(voters))))
+        self.stats["power_losses"] += 1
+        self.trace(f"power loss {down}")
+        for nid in down:
+            self._crash(nid, "power loss", rng.uniform(0.02, 0.2))
+        alive = [x for x in sorted(self.hosts) if x not in down]
+        if alive and rng.random() < 0.7:
+            for a in alive:
+                for b in sorted(self.storages):
+                    if b not in alive:
+                        self.blocked.add((a, b))
+                        self.blocked.add((b, a))
+            self._at(self.now + rng.uniform(0.3, 0.8), "heal", None)
 
     def crash(self, nid: int, restart_after_s: float, drop_in_flight: bool = False) -> None:
         """Crash ``nid`` (scripts); restart it after ``restart_after_s`` (< 0: never).
@@ -1135,6 +1256,8 @@ class Simulation:
             h = self.hosts.get(m)
             if h is not None and (h.node._raft is None or h.sm.index != lr.log.committed):
                 return None
+            if h is not None and h.sm.digest != lead.sm.digest:
+                return None  # same index, another history: not converged
         return lead
 
     def _check_liveness(self) -> None:
@@ -1152,6 +1275,7 @@ class Simulation:
                 self.hosts[m].node._raft.term,
                 self.hosts[m].sm.index,
                 list(self.hosts[m].node._raft.config.voters),
+                self.hosts[m].sm.digest.hex()[:8],
             )
             for m in sorted(self.hosts)
             if self.hosts[m].node._raft is not None
@@ -1160,6 +1284,18 @@ class Simulation:
 
     def _check_final(self) -> None:
         """Every acknowledged write is in the agreed applied log, at its index."""
+        if self.cfg.flush == "async":
+            lead = self._converged()
+            if lead is not None:
+                r = lead.node._raft
+                for a in self.acks:
+                    try:
+                        held = r.log.term(a.index) == a.term
+                    except DLedgerError:
+                        held = True  # compacted: inside the agreed snapshot
+                    if not held:
+                        self.stats["acked_lost"] += 1
+            return
         for a in self.acks:
             rec = self.applied_record.get(a.index)
             if rec != (a.term, a.crc):
@@ -1307,6 +1443,21 @@ PROFILES: dict[str, dict[str, Any]] = {
         "write_share": 0.8,
         "stale_leader_reads": 0.5,
         "drop_rate": 0.01,
+    },
+    "power-loss": {
+        # flush="async": majorities lose their unflushed tail at once while
+        # survivors are cut off, so new leaders rewrite indexes a survivor
+        # committed (issues #12 bug 6 and #20). Checked: applied entries
+        # were committed by a leader, diverged replicas stop and are
+        # rebuilt, every member converges.
+        "min_steps": 25000,
+        "flush": "async",
+        "power_loss_rate": 0.002,
+        "crash_rate": 0.0005,
+        "membership": False,
+        "transfers": False,
+        "learners": 0,
+        "write_share": 0.8,
     },
     "learner-vote": {
         "min_steps": 25000,

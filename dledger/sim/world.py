@@ -197,8 +197,14 @@ class SimStorage(MemoryStorage):
         if self.no_fsync:
             return
         if self.flush_mode == "async":
-            self._committed = self._image()
-            return
+            durable_hs = self._durable[4]
+            if (self._hs.term, self._hs.vote) == (durable_hs.term, durable_hs.vote):
+                self._committed = self._image()
+                return
+            # A new term or vote is fsynced at once (LmdbStorage.sync), and
+            # with it every commit before it.
+            self._committed = None
+            self.flushes += 1
         super().sync()
 
     def maybe_flush(self, now_s: float) -> bool:

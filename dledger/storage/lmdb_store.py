@@ -65,6 +65,9 @@ Flush modes
     within one flush interval, writes that were acknowledged to clients are
     lost. This is the trade DLedger/RocketMQ make with ASYNC_FLUSH (an ack
     once the page cache has it); use it only when that is acceptable.
+    A change of term or vote is the exception: the commit that records it
+    is fsynced at once, so a node never votes twice in one term however it
+    loses power.
 
 Recovery
 --------
@@ -458,6 +461,9 @@ class LmdbStorage:
         self._limit = last + 1
         self._pending: list[Entry] = []
         self._hs_dirty = False
+        # Term or vote changed since the last commit: fsynced even in async
+        # mode (see sync()).
+        self._vote_dirty = False
         self._front_dirty = False
         self._dirty_terms: set[int] = set()
 
@@ -996,6 +1002,8 @@ class LmdbStorage:
 
     def save_hard_state(self, hs: HardState) -> None:
         if hs != self._hs:
+            if (hs.term, hs.vote) != (self._hs.term, self._hs.vote):
+                self._vote_dirty = True
             self._hs = hs
             self._hs_dirty = True
 
@@ -1038,6 +1046,14 @@ class LmdbStorage:
         self._dirty_terms.clear()
         self.write_txns += 1
         self._unflushed = self.flush_mode == "async"
+        if self._vote_dirty:
+            # A term or vote is never left to the flush interval, even in
+            # async mode: a vote forgotten in a power loss can be granted
+            # again in the same term, two leaders of one term write different
+            # entries under the same (index, term), and no later check can
+            # tell the replicas apart. Elections are rare; this costs nothing.
+            self._vote_dirty = False
+            self.flush()
         if header is not None:
             if self._unflushed:
                 # Old files go next: the record naming the new one must be

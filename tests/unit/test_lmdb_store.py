@@ -255,6 +255,28 @@ def test_async_flush_interval(tmp_path: Path) -> None:
         assert s.maybe_flush(100.0) is False  # sync mode: already durable
 
 
+def test_async_mode_fsyncs_a_new_term_or_vote_at_once(tmp_path: Path) -> None:
+    """A vote left to the flush interval could be forgotten in a power loss
+    and granted again in the same term (two leaders of one term, replicas
+    that no check can tell apart): the commit recording it fsyncs at once."""
+    with LmdbStorage(tmp_path, flush="async", flush_interval_s=3600.0) as s:
+        s.append(chain(1, [1, 1]))
+        s.save_hard_state(HardState(1, 0, 0))
+        s.sync()
+        assert s.flushes == 1  # the first term
+        s.append(chain(3, [1], pos=end_of(s)))
+        s.save_hard_state(HardState(1, 0, 2))  # only the commit index moved
+        s.sync()
+        assert s.flushes == 1  # left to the interval
+        s.save_hard_state(HardState(2, 3, 2))  # a vote in a new term
+        s.sync()
+        assert s.flushes == 2
+        s.save_hard_state(HardState(2, 3, 3))
+        s.append(chain(4, [2], pos=end_of(s)))
+        s.sync()
+        assert s.flushes == 2 and s.maybe_flush(0.0) is True
+
+
 # -- compaction and epochs ---------------------------------------------------
 def test_compaction_survives_reopen(tmp_path: Path) -> None:
     es = chain(1, [1, 1, 2, 2, 3, 3])

@@ -71,10 +71,12 @@ def heartbeat(
     term: int,
     knows_leader: bool,
     members: list[tuple[int, str]],
+    routes_version: int = 0,
 ) -> bytes:
     """One broker node's heartbeat: it is alive, whether it leads its group
     (a ready leader: it can take writes), whether it knows any leader at its
-    ``term``, and its group's address book."""
+    ``term``, its group's address book, and (from a leader) the route-table
+    version its group has applied (created and deleted its queues for)."""
     return encode(
         "heartbeat",
         ts_ms,
@@ -84,6 +86,7 @@ def heartbeat(
         leader=leader,
         term=term,
         knows_leader=knows_leader,
+        routes_version=routes_version,
         members=[[i, a] for i, a in members],
     )
 

@@ -86,6 +86,7 @@ class GroupInfo:
     leader: int = 0  # the member whose ready-leader heartbeat is the latest (0: none)
     leader_term: int = 0
     leader_seen_ms: int = -1
+    routes_version: int = 0  # the route-table version its leader reported applied
 
 
 @dataclass(slots=True)
@@ -168,6 +169,7 @@ class ControllerState:
         if leader:
             if term >= g.leader_term:
                 g.leader, g.leader_term, g.leader_seen_ms = nid, term, self.now_ms
+                g.routes_version = int(cmd.get("routes_version", 0))
         elif nid == g.leader or (term >= g.leader_term and not cmd.get("knows_leader", True)):
             # The leader stepped down, or a member at the leader's term (or
             # later) lost it: the group cannot take writes until one says so.
@@ -244,6 +246,7 @@ class ControllerState:
             "leader_http": g.members[g.leader].http if g.leader in g.members else None,
             "leader_term": g.leader_term,
             "leader_seen_ms": g.leader_seen_ms,
+            "routes_version": g.routes_version,
             "members": [
                 {
                     "id": i,
@@ -296,6 +299,7 @@ class ControllerState:
                     g.leader,
                     g.leader_term,
                     g.leader_seen_ms,
+                    g.routes_version,
                     {
                         str(i): [m.http, m.last_seen_ms, m.leader, m.term]
                         for i, m in g.members.items()
@@ -329,8 +333,8 @@ class ControllerState:
                 int(v["now"]),
                 int(v["version"]),
             )
-            for n, (leader, lterm, lseen, members) in v["groups"].items():
-                g = GroupInfo(str(n), {}, int(leader), int(lterm), int(lseen))
+            for n, (leader, lterm, lseen, rver, members) in v["groups"].items():
+                g = GroupInfo(str(n), {}, int(leader), int(lterm), int(lseen), int(rver))
                 for i, (http, seen, lead, term) in members.items():
                     g.members[int(i)] = MemberInfo(str(http), int(seen), bool(lead), int(term))
                 st.groups[g.name] = g
@@ -340,6 +344,24 @@ class ControllerState:
         except (KeyError, TypeError, ValueError, orjson.JSONDecodeError) as exc:
             raise MalformedCommand(f"controller snapshot has a wrong shape: {exc!r}") from None
         return st
+
+
+def route_from_table(table: dict[str, Any], topic: str) -> dict[str, Any] | None:
+    """What :meth:`ControllerState.route` answered for ``topic`` when
+    ``table`` (a :meth:`ControllerState.table`) was taken; None: unknown."""
+    r = table.get("topics", {}).get(topic)
+    if r is None:
+        return None
+    groups = table.get("groups", {})
+    used = sorted(set(r["queues"]))
+    return {
+        "topic": topic,
+        "version": r["version"],
+        "table_version": table.get("version", 0),
+        "now_ms": table.get("now_ms", 0),
+        "queues": [{"queue": q, "group": g} for q, g in enumerate(r["queues"])],
+        "groups": {n: groups[n] for n in used if n in groups},
+    }
 
 
 def _name(v: object) -> str:

@@ -8,6 +8,7 @@
     dledger cluster down [--dir DIR]
     dledger cluster kill ID [--signal KILL|TERM|STOP|CONT] [--dir DIR]
     dledger cluster restart ID [--dir DIR]
+    dledger proxy [--listen H:P] [--routes H:P,... | --dir DIR]   # multi-group /v1 proxy
     dledger produce TOPIC [--file F | VALUE...] [--endpoints H:P,...] [--token T]
     dledger consume TOPIC --group G [--from earliest|latest] [--max N] [--follow]
     dledger topics list | create NAME [--queues N] | describe NAME | delete NAME
@@ -44,7 +45,7 @@ from dledger.cluster import DEFAULT_DIR, LocalCluster
 from dledger.config import NodeConfig, load_cluster_file
 from dledger.errors import ConfigError, StorageCorrupted
 from dledger.node import Node
-from dledger_app import multi_cli
+from dledger_app import multi_cli, proxy
 from dledger_app.broker_agent import GroupAgent
 from dledger_app.controller_node import ControllerServer
 from dledger_app.groups import GroupFile, MultiCluster, load_group_file
@@ -369,6 +370,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--group", help="multi-group cluster: controller, g1, g2, ...")
     r.set_defaults(func=cmd_cluster_restart)
 
+    proxy.add_command(sub, DEFAULT_DIR)
     client_cli.add_commands(sub)
     return p
 

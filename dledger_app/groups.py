@@ -98,6 +98,14 @@ class MultiCluster:
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.dir = Path(directory).resolve()
         self.layout_path = self.dir / LAYOUT_FILE
+        # one LocalCluster per group, so the processes it started are its children
+        self._clusters: dict[str, LocalCluster] = {}
+
+    def _cluster(self, sub: str) -> LocalCluster:
+        lc = self._clusters.get(sub)
+        if lc is None:
+            lc = self._clusters[sub] = LocalCluster(self.dir / sub)
+        return lc
 
     @staticmethod
     def is_multi(directory: str | os.PathLike[str]) -> bool:
@@ -139,6 +147,7 @@ class MultiCluster:
         mc.layout_path.write_text(
             json.dumps({"controller": CONTROLLER_DIR, "groups": names}, indent=1)
         )
+        mc._clusters = {CONTROLLER_DIR: ctl}
         return mc
 
     def _layout(self) -> dict[str, object]:
@@ -157,15 +166,15 @@ class MultiCluster:
         return [str(x) for x in g]
 
     def controller(self) -> LocalCluster:
-        return LocalCluster(self.dir / str(self._layout().get("controller", CONTROLLER_DIR)))
+        return self._cluster(str(self._layout().get("controller", CONTROLLER_DIR)))
 
     def group(self, name: str) -> LocalCluster:
         if name not in self.group_names():
             raise ConfigError(f"no broker group {name!r} (groups: {self.group_names()})")
-        return LocalCluster(self.dir / name)
+        return self._cluster(name)
 
     def groups(self) -> dict[str, LocalCluster]:
-        return {n: LocalCluster(self.dir / n) for n in self.group_names()}
+        return {n: self._cluster(n) for n in self.group_names()}
 
     def all(self) -> dict[str, LocalCluster]:
         """Every group, the controller first."""

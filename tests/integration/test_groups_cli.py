@@ -1,0 +1,73 @@
+"""``dledger cluster up --groups N``: the controller group plus N broker
+groups as processes; ``cluster status`` shows groups, leaders and routes;
+``cluster kill/restart --group``; ``cluster down`` stops them all (every
+process is also stopped by PID at the end, whatever happened)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dledger.cluster import http_request
+from dledger_app.groups import MultiCluster
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+
+def dledger(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    p = subprocess.run(
+        [sys.executable, "-m", "dledger_app.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    if check:
+        assert p.returncode == 0, p.stdout + p.stderr
+    return p
+
+
+def test_cluster_up_groups_status_routes_kill_and_down(tmp_path: Path) -> None:
+    d = str(tmp_path / "mc")
+    try:
+        up = dledger(
+            "cluster", "up", "--groups", "2", "--nodes", "1", "--dir", d, "--timeout", "90"
+        )
+        assert "2 broker groups + controller" in up.stdout
+        mc = MultiCluster(d)
+        assert mc.group_names() == ["g1", "g2"]
+        # a topic created through a broker node goes to the controller and back
+        g1 = mc.group("g1").http(1)
+        r = http_request(g1, "POST", "/v1/topics", b'{"name": "t", "queues": 4}', timeout_s=30)
+        assert r.status == 201, r.body
+        assert [q["group"] for q in r.json()["queues"]] == ["g1", "g2", "g1", "g2"]
+        r = http_request(mc.group("g2").http(1), "GET", "/v1/routes/t", timeout_s=5)
+        assert r.status == 200 and r.json()["version"] >= 1
+        # a produce to a queue of the other group is refused, naming the owner
+        r = http_request(
+            g1,
+            "POST",
+            "/v1/topics/t/messages",
+            b'{"messages": [{"value": "x", "encoding": "utf-8", "queue": 1}]}',
+            timeout_s=10,
+        )
+        assert r.status == 421 and r.json()["error"]["group"] == "g2", r.body
+        st = dledger("cluster", "status", "--dir", d).stdout
+        assert "controller: leader node" in st and "g1: leader node 1" in st, st
+        assert "g2: leader node 1  controller sees it live" in st, st
+        assert "t (v" in st and "g1: [0, 2]; g2: [1, 3]" in st, st
+        kill = dledger("cluster", "kill", "1", "--dir", d, check=False)
+        assert kill.returncode == 2 and "--group" in kill.stderr
+        dledger("cluster", "kill", "1", "--group", "g2", "--dir", d)
+        st = dledger("cluster", "status", "--dir", d).stdout
+        assert "g2: leader -" in st, st
+        dledger("cluster", "restart", "1", "--group", "g2", "--dir", d, "--timeout", "60")
+        down = dledger("cluster", "down", "--dir", d).stdout
+        assert down.count("stopped") == 3 + 2, down
+        assert not any(lc.running(nid) for lc in MultiCluster(d).all().values() for nid in lc.ids())
+    finally:
+        if MultiCluster.is_multi(d):
+            for lc in MultiCluster(d).all().values():
+                lc.down(10)

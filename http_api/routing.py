@@ -20,7 +20,8 @@ Which queue a message goes to:
   ``down_for_s`` and the batch moves to a queue of another group. A batch
   whose outcome is *unknown* (sent, then no answer; ``504``) never moves:
   it could be in the first group already, and a copy in a second one would
-  be a duplicate. A plain send raises :class:`OutcomeUnknownError`; a
+  be a duplicate (its group is avoided for ``down_for_s`` all the same).
+  A plain send raises :class:`OutcomeUnknownError`; a
   :class:`RoutedProducer` keeps the batch and sends it again, with the same
   sequence, before anything else it sends to that queue (the group's dedup
   answers the first copy's offsets), and sends its other unordered batches
@@ -308,8 +309,10 @@ class RoutingClient:
                     self.group(g).request("POST", f"/v1/topics/{topic}/messages", body, safe=False)
                 )
             except OutcomeUnknownError:
+                self._mark_down(g)
                 raise
             except UnavailableError as exc:
+                self._mark_down(g)  # other batches avoid it meanwhile, whatever happened
                 if exc.details.get("outcome_unknown"):
                     raise OutcomeUnknownError(
                         exc.status,
@@ -318,7 +321,6 @@ class RoutingClient:
                         f"batch; it is not moved to another group ({exc})",
                         {"group": g, "queue": q, "topic": topic},
                     ) from None
-                self._mark_down(g)
                 if ordered:
                     raise GroupUnavailableError(
                         503,

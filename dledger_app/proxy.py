@@ -212,7 +212,7 @@ class Proxy:
             except ApiError as exc:
                 done = [a for a in acked if a is not None]
                 return _api_error(exc, acked=done) if done else _api_error(exc)
-            route = self.rc.route(topic)
+            route = await self._run(self.rc.route, topic)  # may refresh: off the loop
             for k, a in zip(ks, got, strict=True):
                 acked[k] = _ack_json(a, route.owners[a.queue])
         return json_response(

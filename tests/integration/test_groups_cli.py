@@ -54,6 +54,17 @@ def test_cluster_up_groups_status_routes_kill_and_down(tmp_path: Path) -> None:
             timeout_s=10,
         )
         assert r.status == 421 and r.json()["error"]["group"] == "g2", r.body
+        # deleting goes through the controller too, and each group deletes its copy
+        r = http_request(g1, "POST", "/v1/topics", b'{"name": "gone", "queues": 2}', timeout_s=30)
+        assert r.status == 201, r.body
+        assert http_request(g1, "GET", "/v1/topics/gone", timeout_s=5).status == 200
+        r = http_request(g1, "DELETE", "/v1/topics/gone", timeout_s=30)
+        assert r.status == 200 and r.json()["pending_groups"] == [], r.body
+        for g in ("g1", "g2"):
+            addr = mc.group(g).http(1)
+            assert http_request(addr, "GET", "/v1/topics/gone", timeout_s=5).status == 404
+            r = http_request(addr, "GET", "/v1/routes/gone", timeout_s=5)
+            assert r.status == 404 and r.json()["error"]["code"] == "UNKNOWN_TOPIC", r.body
         st = dledger("cluster", "status", "--dir", d).stdout
         assert "controller: leader node" in st and "g1: leader node 1" in st, st
         assert "g2: leader node 1  controller sees it live" in st, st

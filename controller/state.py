@@ -267,6 +267,7 @@ class ControllerState:
         used = sorted(set(r.queues))
         return {
             "topic": topic,
+            "name": topic,  # what a broker's topic answers call it
             "version": r.version,
             "table_version": self.version,
             "now_ms": self.now_ms,
@@ -356,6 +357,7 @@ def route_from_table(table: dict[str, Any], topic: str) -> dict[str, Any] | None
     used = sorted(set(r["queues"]))
     return {
         "topic": topic,
+        "name": topic,
         "version": r["version"],
         "table_version": table.get("version", 0),
         "now_ms": table.get("now_ms", 0),

@@ -248,6 +248,24 @@ class RoutingClient:
         )
         return res
 
+    def topics(self) -> list[dict[str, Any]]:
+        """Every topic, described as :meth:`topic` does."""
+        listed = self.seeds.request("GET", "/v1/topics", safe=True)["topics"]
+        names = sorted({str(t.get("name") or t.get("topic")) for t in listed})
+        return [self.topic(n) for n in names]
+
+    def topic(self, name: str) -> dict[str, Any]:
+        """``{name, version, queues: [{queue, group, min_offset, max_offset}]}``:
+        each queue's range from the group that owns it."""
+        r = self.route(name)
+        queues: list[dict[str, Any]] = []
+        for g in sorted(set(r.owners)):
+            info = self.group(g).request("GET", f"/v1/topics/{name}", safe=True)
+            mine = set(r.queues_of(g))
+            queues += [{**q, "group": g} for q in info["queues"] if q["queue"] in mine]
+        queues.sort(key=lambda q: int(q["queue"]))
+        return {"name": name, "version": r.version, "queues": queues}
+
     def delete_topic(self, name: str) -> None:
         self.seeds.request("DELETE", f"/v1/topics/{name}", safe=False, retry_for_s=10.0)
         self._routes.pop(name, None)
@@ -421,6 +439,11 @@ class RoutedProducer:
         # (topic, queue) -> the batch whose outcome is unknown (sent again
         # with its sequence before anything else goes to that queue)
         self._doubt: dict[tuple[str, int], list[OutMessage]] = {}
+
+    @property
+    def producer_id(self) -> str:
+        """The producer ids this producer holds, one per group it wrote to."""
+        return ",".join(f"{g}:{p.producer_id}" for g, p in sorted(self._per_group.items())) or "-"
 
     def in_doubt(self, topic: str) -> set[int]:
         return {q for (t, q) in self._doubt if t == topic}

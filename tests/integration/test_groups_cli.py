@@ -69,11 +69,24 @@ def test_cluster_up_groups_status_routes_kill_and_down(tmp_path: Path) -> None:
         assert "controller: leader node" in st and "g1: leader node 1" in st, st
         assert "g2: leader node 1  controller sees it live" in st, st
         assert "t (v" in st and "g1: [0, 2]; g2: [1, 3]" in st, st
+        # the client commands route by themselves in a multi-group directory
+        out = dledger("produce", "t", "a", "b", "c", "--dir", d).stdout
+        assert "produced 3 message(s) to t (producer g" in out, out
+        dledger("produce", "t", "k", "--key", "b", "--dir", d)  # crc32("b") % 4 == 1: g2
+        out = dledger("consume", "t", "--group", "cg", "--dir", d)
+        assert "consumed 4 message(s)" in out.stderr, out.stderr
+        out = dledger("topics", "describe", "t", "--dir", d).stdout
+        assert "topic t: 4 queue(s), 4 message(s)" in out, out
         kill = dledger("cluster", "kill", "1", "--dir", d, check=False)
         assert kill.returncode == 2 and "--group" in kill.stderr
         dledger("cluster", "kill", "1", "--group", "g2", "--dir", d)
         st = dledger("cluster", "status", "--dir", d).stdout
         assert "g2: leader -" in st, st
+        out = dledger("produce", "t", "x", "y", "--dir", d, "--timeout", "3")  # moves to g1
+        assert "produced 2 message(s)" in out.stdout, out.stdout
+        bad = dledger("produce", "t", "z", "--key", "b", "--dir", d, "--timeout", "2", check=False)
+        assert bad.returncode == 1 and "GROUP_UNAVAILABLE" in bad.stderr, bad.stderr
+        assert "broker group 'g2'" in bad.stderr, bad.stderr
         dledger("cluster", "restart", "1", "--group", "g2", "--dir", d, "--timeout", "60")
         down = dledger("cluster", "down", "--dir", d).stdout
         assert down.count("stopped") == 3 + 2, down

@@ -10,7 +10,7 @@ import pytest
 from broker_adapter.errors import InvalidQueue, MalformedCommand, TopicExists, UnknownTopic
 from controller import codec
 from controller.node_sm import ControllerStateMachine
-from controller.state import LIVENESS_TIMEOUT_MS, ControllerState, NoLiveGroup
+from controller.state import LIVENESS_TIMEOUT_MS, ControllerState, NoLiveGroup, route_from_table
 from dledger.core.types import Entry, EntryType
 
 
@@ -187,3 +187,14 @@ def test_replicas_agree_and_snapshots_restore_exactly() -> None:
     assert a.st.table() == c_log.st.table()
     with pytest.raises(Exception, match="controller snapshot"):
         restored.restore(snap[:-1] + bytes([snap[-1] ^ 1]))
+
+
+def test_a_broker_cached_table_answers_what_the_controller_answers() -> None:
+    log = Log()
+    three_live_groups(log)
+    log(codec.create_topic(1000, "a", 5))
+    log(codec.create_topic(1000, "b", 2))
+    table = log.st.table()
+    for t in ("a", "b"):
+        assert route_from_table(table, t) == log.st.route(t)
+    assert route_from_table(table, "c") is None

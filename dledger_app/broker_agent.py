@@ -43,6 +43,7 @@ from broker_adapter.errors import BrokerError
 from broker_adapter.node_sm import BrokerStateMachine
 from controller.state import HEARTBEAT_INTERVAL_MS, route_from_table
 from dledger.core.types import Role
+from dledger.http_auth import RouteRole
 from dledger.node import Node
 from dledger_app.groups import GroupFile
 from http_api.client import ApiError, AsyncClient, UnavailableError
@@ -73,9 +74,16 @@ class GroupAgent:
 
     # -- life cycle ---------------------------------------------------------------
     def start(self) -> None:
+        # With auth on, the node heartbeats with an admin token of its own
+        # cluster file (the controller's must accept it); forwarded topic
+        # administration carries the caller's own token instead.
+        auth = self.node.cfg.auth
+        token = (auth.token_with("admin") if auth is not None else None) or ""
         # Short deadlines for the heartbeat: a missed one is simply sent again.
-        self._hb = AsyncClient(self.controller, timeout_s=2.0, retry_for_s=1.0)
-        self._admin = AsyncClient(self.controller, timeout_s=15.0, retry_for_s=FORWARD_RETRY_S)
+        self._hb = AsyncClient(self.controller, timeout_s=2.0, retry_for_s=1.0, token=token)
+        self._admin = AsyncClient(
+            self.controller, timeout_s=15.0, retry_for_s=FORWARD_RETRY_S, token=""
+        )
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
@@ -175,6 +183,12 @@ class GroupAgent:
         return True
 
     # -- HTTP -----------------------------------------------------------------------
+    # the role each route needs when the cluster file turns auth on
+    ROUTE_ROLES: dict[tuple[str, str], RouteRole] = {
+        ("GET", "/v1/routes"): "any",
+        ("GET", "/v1/routes/{topic}"): "any",
+    }
+
     def routes(self) -> list[web.RouteDef]:
         return [
             web.get("/v1/routes", self.get_table),
@@ -232,8 +246,13 @@ class GroupAgent:
             raw = await request.read()
             body = orjson.loads(raw) if raw else None
         assert self._admin is not None
+        headers = {}
+        if "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
         try:
-            res = await self._admin.request(request.method, request.path_qs, body, safe=False)
+            res = await self._admin.request(
+                request.method, request.path_qs, body, safe=False, headers=headers
+            )
         except ApiError as exc:
             return self._forward_error(exc)
         return json_response(res, 201 if request.method == "POST" else 200)
@@ -259,7 +278,9 @@ class GroupAgent:
             q = m.get("queue")
             key = m.get("sharding_key")
             if q is None and isinstance(key, str) and key:
-                q = zlib.crc32(key.encode("utf-8")) % n
+                # the route's queue count, not this group's copy of it (which
+                # lags while the group reconciles a grown topic)
+                q = m["queue"] = zlib.crc32(key.encode("utf-8")) % n
             if q is None:
                 if not mine:
                     return self._wrong(r, topic, 0, k)

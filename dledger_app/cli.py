@@ -44,6 +44,7 @@ from dledger.admin_http import AdminServer
 from dledger.cluster import DEFAULT_DIR, LocalCluster
 from dledger.config import NodeConfig, load_cluster_file
 from dledger.errors import ConfigError, StorageCorrupted
+from dledger.http_auth import ROUTE_ROLES as APP_ROUTE_ROLES
 from dledger.node import Node
 from dledger_app import multi_cli, proxy
 from dledger_app.broker_agent import GroupAgent
@@ -97,6 +98,7 @@ async def run_node(cfg: NodeConfig, group: GroupFile | None = None) -> int:
             assert isinstance(node.state_machine, BrokerStateMachine)
             agent = GroupAgent(node, node.state_machine, group)
             app.router.add_routes(agent.routes())
+            app[APP_ROUTE_ROLES].update(GroupAgent.ROUTE_ROLES)
             app.middlewares.append(agent.middleware)  # innermost: after auth and the guard
         server = NodeServer(node, app)
     else:

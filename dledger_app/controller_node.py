@@ -44,6 +44,8 @@ from controller.state import HEARTBEAT_INTERVAL_MS, NoLiveGroup
 from dledger.admin_http import AdminServer, make_app
 from dledger.core.types import Role
 from dledger.errors import NotLeader
+from dledger.http_auth import ROUTE_ROLES as APP_ROUTE_ROLES
+from dledger.http_auth import RouteRole
 from dledger.node import Node, OutcomeUnknown
 from http_api.errors import envelope, error_response, json_response
 
@@ -63,6 +65,23 @@ def _int_field(
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
         raise InvalidArgument(f"{name} must be an integer within {lo}..{hi}", field=name)
     return v
+
+
+# The role each route needs when the cluster file turns auth on
+# (dledger.http_auth; routes not listed need "admin").
+ROUTE_ROLES: dict[tuple[str, str], RouteRole] = {
+    ("POST", "/v1/heartbeat"): "admin",
+    ("GET", "/v1/routes"): "any",
+    ("GET", "/v1/routes/{topic}"): "any",
+    ("GET", "/v1/brokers"): "any",
+    ("POST", "/v1/topics"): "admin",
+    ("GET", "/v1/topics"): "any",
+    ("GET", "/v1/topics/{topic}"): "any",
+    ("PATCH", "/v1/topics/{topic}"): "admin",
+    ("DELETE", "/v1/topics/{topic}"): "admin",
+    ("GET", "/v1/cluster"): "admin",
+    ("GET", "/readyz"): "any",
+}
 
 
 class ControllerApi:
@@ -300,6 +319,7 @@ class ControllerServer(AdminServer):
         self.api = ControllerApi(node, node.state_machine)
         app = make_app(node)
         app.router.add_routes(self.api.routes())
+        app[APP_ROUTE_ROLES].update(ROUTE_ROLES)
         super().__init__(node, app)
 
     async def start(self) -> None:

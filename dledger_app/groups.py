@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dledger.cluster import LocalCluster
-from dledger.config import toml_value
+from dledger.config import AuthSpec, toml_value
 from dledger.errors import ConfigError
 
 GROUP_FILE = "group.toml"
@@ -121,9 +121,11 @@ class MultiCluster:
         controller_nodes: int = 3,
         secret: str | None = None,
         settings: dict[str, object] | None = None,
+        auth: AuthSpec | None = None,
     ) -> MultiCluster:
         """Write every group's cluster and group files (free ports); refuses
-        to overwrite an existing layout."""
+        to overwrite an existing layout. ``auth``: the same bearer tokens in
+        every group's cluster file (broker nodes heartbeat with an admin one)."""
         mc = cls(directory)
         if mc.layout_path.exists() or (mc.dir / "cluster.toml").exists():
             raise ConfigError(f"{mc.dir} already holds a cluster; reuse it or pick another --dir")
@@ -135,13 +137,19 @@ class MultiCluster:
             secret=secret,
             cluster_id="controller",
             settings={"state_machine": "log", **(settings or {})},
+            auth=auth,
         )
         ctl_http = tuple(m.http_address for m in ctl.spec.members)
         write_group_file(ctl.dir, GroupFile("controller", "controller", ctl_http))
         names = [f"g{k + 1}" for k in range(groups)]
         for name in names:
             lc = LocalCluster.create(
-                mc.dir / name, voters=nodes, secret=secret, cluster_id=name, settings=settings
+                mc.dir / name,
+                voters=nodes,
+                secret=secret,
+                cluster_id=name,
+                settings=settings,
+                auth=auth,
             )
             write_group_file(lc.dir, GroupFile(name, "broker", ctl_http))
         mc.layout_path.write_text(

@@ -20,9 +20,10 @@ EXIT_OK, EXIT_FAILURE, EXIT_OPERATOR = 0, 1, 2
 
 def controller_get(mc: MultiCluster, path: str, timeout_s: float = 1.0) -> Any | None:
     """GET ``path`` from the first controller node that answers 200."""
+    headers = mc.controller().admin_headers()  # the cluster file's own admin token, if any
     for addr in mc.controller_endpoints():
         try:
-            r = http_request(addr, "GET", path, timeout_s=timeout_s)
+            r = http_request(addr, "GET", path, timeout_s=timeout_s, headers=headers)
         except HTTP_ERRORS:
             continue
         if r.status == 200:

@@ -513,7 +513,16 @@ class AsyncClient:
     async def close(self) -> None:
         await self._session.close()
 
-    async def request(self, method: str, path: str, body: Any = None, *, safe: bool) -> Any:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        safe: bool,
+        headers: dict[str, str] | None = None,
+    ) -> Any:
+        """``headers``: extra request headers (they override the client's)."""
         import aiohttp
 
         deadline = time.monotonic() + self.retry_for_s
@@ -524,7 +533,11 @@ class AsyncClient:
             status, location, parsed = 0, None, None
             try:
                 async with self._session.request(
-                    method, f"http://{address}{path}", json=body, allow_redirects=False
+                    method,
+                    f"http://{address}{path}",
+                    json=body,
+                    allow_redirects=False,
+                    headers=headers,
                 ) as r:
                     status, location = r.status, r.headers.get("Location")
                     raw = await r.read()

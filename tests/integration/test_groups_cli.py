@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 
 from dledger.cluster import http_request
+from dledger.config import AuthSpec, TokenSpec
 from dledger_app.groups import MultiCluster
+from dledger_app.multi_cli import wait_groups_live
+from http_api.routing import RoutingClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -95,3 +98,34 @@ def test_cluster_up_groups_status_routes_kill_and_down(tmp_path: Path) -> None:
         if MultiCluster.is_multi(d):
             for lc in MultiCluster(d).all().values():
                 lc.down(10)
+
+
+def test_groups_with_bearer_tokens(tmp_path: Path) -> None:
+    """With [auth] in every group's cluster file, broker nodes heartbeat with
+    an admin token; routes need a token; topic administration through a
+    broker node is forwarded with the caller's own token."""
+    admin, prod = "admin-token-0123456789", "produce-token-0123456789"
+    auth = AuthSpec(
+        (TokenSpec("ops", admin, ("admin",)), TokenSpec("app", prod, ("produce", "consume")))
+    )
+    mc = MultiCluster.create(tmp_path / "mc", groups=2, nodes=1, auth=auth)
+    try:
+        for lc in mc.all().values():
+            lc.start_all()
+        wait_groups_live(mc, 90)  # heartbeats are accepted: they carry the admin token
+        g1 = mc.group("g1").http(1)
+        r = http_request(g1, "GET", "/v1/routes", timeout_s=5)
+        assert r.status == 401, r.body
+        body = b'{"name": "t", "queues": 2}'
+        h = {"Authorization": f"Bearer {prod}"}
+        r = http_request(g1, "POST", "/v1/topics", body, timeout_s=30, headers=h)
+        assert r.status == 403, r.body
+        h = {"Authorization": f"Bearer {admin}"}
+        r = http_request(g1, "POST", "/v1/topics", body, timeout_s=30, headers=h)
+        assert r.status == 201 and r.json()["pending_groups"] == [], r.body
+        rc = RoutingClient(mc.endpoints(), token=prod)
+        (ack,) = rc.producer().send("t", [b"x"], queue=1)
+        assert rc.route("t").owners[ack.queue] == "g2"
+    finally:
+        for lc in mc.all().values():
+            lc.down(10)

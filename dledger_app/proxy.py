@@ -7,8 +7,8 @@ threads). It keeps nothing that a restart would lose but caches and its own
 producer sessions, so any number of proxies can run side by side.
 
 - ``POST /v1/topics/{topic}/messages``: every message goes to its queue's
-  group (the queue given, the sharding key's queue, else round robin; the
-  last may move to another group when its group surely did not take it;
+  group (the queue given, the sharding key's queue, else one queue chosen
+  round robin for all the request's other messages; those may move to another group when its group surely did not take it;
   see :mod:`http_api.routing`). The proxy sends each part as an
   idempotent producer of its own, so its retries inside a group never
   duplicate. The answer lists the messages in request order, each with its
@@ -202,8 +202,8 @@ class Proxy:
             raise Unprocessable(f"unknown field {sorted(unknown)[0]!r}", sorted(unknown)[0])
         msgs = _messages(body.get("messages"))
         parts: dict[tuple[int, bool], list[int]] = {}
-        for k, m in enumerate(msgs):
-            parts.setdefault(await self._run(self.rc.target, topic, m), []).append(k)
+        for k, t in enumerate(await self._run(self.rc.targets, topic, msgs)):
+            parts.setdefault(t, []).append(k)
         acked: list[dict[str, Any] | None] = [None] * len(msgs)
         for (q, ordered), ks in parts.items():
             part = [msgs[k] for k in ks]

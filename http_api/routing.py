@@ -271,15 +271,23 @@ class RoutingClient:
         self._routes.pop(name, None)
 
     # -- produce --------------------------------------------------------------------
-    def target(self, topic: str, m: OutMessage) -> tuple[int, bool]:
-        """(queue, ordered) for one message: ordered ones may not move."""
+    def targets(self, topic: str, msgs: Sequence[OutMessage]) -> list[tuple[int, bool]]:
+        """(queue, ordered) of each message; the unordered ones of one call
+        share one queue, chosen round robin (one request, as a batch)."""
         r = self.route(topic)
-        if m.queue is not None:
-            return m.queue, True
-        if m.sharding_key is not None:
-            return queue_for_key(m.sharding_key, len(r.owners)), True
-        q = self.pick_queue(r)
-        return (q if q is not None else 0), False
+        out: list[tuple[int, bool]] = []
+        shared: int | None = None
+        for m in msgs:
+            if m.queue is not None:
+                out.append((m.queue, True))
+            elif m.sharding_key is not None:
+                out.append((queue_for_key(m.sharding_key, len(r.owners)), True))
+            else:
+                if shared is None:
+                    q = self.pick_queue(r)
+                    shared = q if q is not None else 0
+                out.append((shared, False))
+        return out
 
     def produce(self, topic: str, values: Sequence[bytes | str | OutMessage]) -> list[Ack]:
         """Send each message to its queue's group (see the module docstring);
@@ -287,8 +295,8 @@ class RoutingClient:
         outcome is unknown raises :class:`OutcomeUnknownError`."""
         msgs = _as_messages(values)
         by_queue: dict[tuple[int, bool], list[int]] = {}
-        for k, m in enumerate(msgs):
-            by_queue.setdefault(self.target(topic, m), []).append(k)
+        for k, t in enumerate(self.targets(topic, msgs)):
+            by_queue.setdefault(t, []).append(k)
         acks: list[Ack | None] = [None] * len(msgs)
         for (q, ordered), ks in by_queue.items():
             part = [msgs[k] for k in ks]

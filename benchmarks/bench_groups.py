@@ -21,6 +21,7 @@ or the network are the limit.
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import statistics
@@ -58,6 +59,7 @@ def _load(send: Any, seconds: float) -> tuple[float, list[float]]:
     stop = time.monotonic() + seconds
     lat: list[float] = []
     count = [0]
+    errors: list[str] = []
     lock = threading.Lock()
 
     def loop() -> None:
@@ -65,7 +67,9 @@ def _load(send: Any, seconds: float) -> tuple[float, list[float]]:
             t0 = time.perf_counter()
             try:
                 send()
-            except ApiError:
+            except ApiError as exc:
+                with lock:
+                    errors.append(str(exc))
                 continue
             dt = time.perf_counter() - t0
             with lock:
@@ -78,6 +82,8 @@ def _load(send: Any, seconds: float) -> tuple[float, list[float]]:
         t.start()
     for t in threads:
         t.join()
+    if errors and not lat:
+        raise RuntimeError(f"every request failed, e.g. {errors[0]}")
     return count[0] / (time.monotonic() - t0), lat
 
 
@@ -87,7 +93,7 @@ def _client_sender(rc: RoutingClient) -> Any:
 
 
 def _proxy_sender(addr: str) -> Any:
-    body = {"messages": [{"value": "eA==" * 25} for _ in range(BATCH)]}
+    body = {"messages": [{"value": base64.b64encode(VALUE).decode()} for _ in range(BATCH)]}
 
     def send() -> None:
         Client([addr], timeout_s=10.0, retry_for_s=5.0).request(

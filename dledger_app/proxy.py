@@ -132,6 +132,9 @@ class Proxy:
         self.producer: RoutedProducer = rc.producer()
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="proxy")
 
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
@@ -320,7 +323,7 @@ async def serve(seeds: list[str], host: str, port: int) -> int:
     logger.info("proxy on %s:%d, routes from %s", host, port, ",".join(seeds))
     await stop.wait()
     await runner.cleanup()
-    proxy.pool.shutdown(wait=False, cancel_futures=True)
+    proxy.close()
     return 0
 
 

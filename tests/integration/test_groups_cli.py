@@ -57,6 +57,15 @@ def test_cluster_up_groups_status_routes_kill_and_down(tmp_path: Path) -> None:
             timeout_s=10,
         )
         assert r.status == 421 and r.json()["error"]["group"] == "g2", r.body
+        # growing a topic: new queues placed by their number, each group grows its copy
+        r = http_request(g1, "PATCH", "/v1/topics/t", b'{"queues": 6}', timeout_s=30)
+        assert r.status == 200 and r.json()["pending_groups"] == [], r.body
+        assert [q["group"] for q in r.json()["queues"]] == ["g1", "g2"] * 3
+        for g in ("g1", "g2"):
+            r = http_request(mc.group(g).http(1), "GET", "/v1/topics/t", timeout_s=5)
+            assert len(r.json()["queues"]) == 6, r.body
+        r = http_request(g1, "PATCH", "/v1/topics/t", b'{"queues": 4}', timeout_s=30)
+        assert r.status == 422 and r.json()["error"]["field"] == "queues", r.body
         # deleting goes through the controller too, and each group deletes its copy
         r = http_request(g1, "POST", "/v1/topics", b'{"name": "gone", "queues": 2}', timeout_s=30)
         assert r.status == 201, r.body
@@ -71,15 +80,15 @@ def test_cluster_up_groups_status_routes_kill_and_down(tmp_path: Path) -> None:
         st = dledger("cluster", "status", "--dir", d).stdout
         assert "controller: leader node" in st and "g1: leader node 1" in st, st
         assert "g2: leader node 1  controller sees it live" in st, st
-        assert "t (v" in st and "g1: [0, 2]; g2: [1, 3]" in st, st
+        assert "t (v" in st and "g1: [0, 2, 4]; g2: [1, 3, 5]" in st, st
         # the client commands route by themselves in a multi-group directory
         out = dledger("produce", "t", "a", "b", "c", "--dir", d).stdout
         assert "produced 3 message(s) to t (producer g" in out, out
-        dledger("produce", "t", "k", "--key", "b", "--dir", d)  # crc32("b") % 4 == 1: g2
+        dledger("produce", "t", "k", "--key", "b", "--dir", d)  # crc32("b") % 6 == 5: g2
         out = dledger("consume", "t", "--group", "cg", "--dir", d)
         assert "consumed 4 message(s)" in out.stderr, out.stderr
         out = dledger("topics", "describe", "t", "--dir", d).stdout
-        assert "topic t: 4 queue(s), 4 message(s)" in out, out
+        assert "topic t: 6 queue(s), 4 message(s)" in out, out
         kill = dledger("cluster", "kill", "1", "--dir", d, check=False)
         assert kill.returncode == 2 and "--group" in kill.stderr
         dledger("cluster", "kill", "1", "--group", "g2", "--dir", d)

@@ -474,7 +474,26 @@ class RoutedProducer:
                 p = self._per_group.setdefault(g, p)
         return p
 
+    # Answers after which the group no longer knows this producer's session
+    # (expired after producer_idle_ms, fenced, or the topic was deleted and
+    # made again, so its sequences restarted): a new session is registered.
+    RESTART_CODES = ("UNKNOWN_PRODUCER", "PRODUCER_FENCED", "SEQUENCE_GAP")
+
     def send_to(self, g: str, topic: str, q: int, msgs: list[OutMessage]) -> list[Ack]:
+        try:
+            return self._send_to(g, topic, q, msgs)
+        except ApiError as exc:
+            if exc.code not in self.RESTART_CODES:
+                raise
+        with self._lock:
+            self._per_group.pop(g, None)
+            # batches in doubt in the old session can no longer be resolved
+            # by their sequence: they stay "maybe" (the caller was told so)
+            for key in [k for k in self._doubt if self.rc.route(k[0]).owners[k[1]] == g]:
+                del self._doubt[key]
+        return self._send_to(g, topic, q, msgs)
+
+    def _send_to(self, g: str, topic: str, q: int, msgs: list[OutMessage]) -> list[Ack]:
         with self._queue_lock(topic, q):
             p = self._for_group(g)
             doubtful = self._doubt.get((topic, q))

@@ -170,3 +170,24 @@ def test_cached_routes_outlive_the_controller() -> None:
     with pytest.raises(ApiError) as ei:
         rc.route("other")
     assert ei.value.code == "ROUTE_UNAVAILABLE" and ei.value.status == 503
+
+
+def test_a_producer_session_the_group_forgot_is_registered_again() -> None:
+    rc, groups = make()
+    p = rc.producer()
+    p.send("t", [b"a"], queue=0)
+    g1 = groups["g1"]
+    g1.seqs.clear()  # the topic was deleted and made again: sequences restarted
+    real = g1.request
+    calls = {"n": 0}
+
+    def expired(method: str, path: str, body: Any = None, **kw: Any) -> Any:
+        if path.endswith("/messages") and body.get("producer_id") == 7 and calls["n"] == 0:
+            calls["n"] += 1
+            raise ApiError(409, "UNKNOWN_PRODUCER", "producer 7 is not registered", {})
+        return real(method, path, body, **kw)
+
+    g1.request = expired  # type: ignore[method-assign]
+    (a,) = p.send("t", [b"b"], queue=0)
+    assert g1.logs[0] == [b"a", b"b"] and a.queue_offset == 1
+    assert [c for c in g1.calls if c[1] == "/v1/producers"] == [("POST", "/v1/producers")] * 2

@@ -179,6 +179,9 @@ def _print_members(lc: LocalCluster) -> None:
 
 def cmd_cluster_up(args: argparse.Namespace) -> int:
     if args.groups is not None or MultiCluster.is_multi(args.dir):
+        if args.learners:
+            print("dledger cluster up: --learners is not supported with --groups", file=sys.stderr)
+            return EXIT_OPERATOR
         if args.groups is None:
             args.groups = len(MultiCluster(args.dir).group_names())
         return multi_cli.cmd_up(args)

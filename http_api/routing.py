@@ -27,6 +27,11 @@ Which queue a message goes to:
   answers the first copy's offsets), and sends its other unordered batches
   to other queues meanwhile.
 
+A :class:`RoutedProducer` whose session a group forgot (``UNKNOWN_PRODUCER``
+after ``producer_idle_ms``, ``PRODUCER_FENCED``, ``SEQUENCE_GAP`` after the
+topic was deleted and made again) registers a new one there and sends once
+more; its batches in doubt with that group then stay unknown.
+
 Routes are cached for ``route_ttl_s``; a refresh that fails keeps the
 cached route (its version tells how old it is), so a controller without a
 leader, or dead, stops no produce or consume. ``WRONG_GROUP`` or

@@ -13,8 +13,10 @@ producer sessions, so any number of proxies can run side by side.
   idempotent producer of its own, so its retries inside a group never
   duplicate. The answer lists the messages in request order, each with its
   ``group``. A part that fails fails the request with that part's error
-  (``503 GROUP_UNAVAILABLE`` naming the group, ``504 OUTCOME_UNKNOWN``, ...)
-  and lists what was acknowledged before in ``acked``. Idempotent
+  (``503 GROUP_UNAVAILABLE`` naming the group, ``504 OUTCOME_UNKNOWN``, ...);
+  when parts before it were written, the answer is ``502
+  PARTIALLY_WRITTEN`` with them in ``acked`` (a status no client sends
+  again on its own). Idempotent
   producers of the client's own (``producer_id``/``sequence``) are refused
   (``422``): producer ids belong to one group; use the routing client.
 - ``GET /v1/topics/{topic}/queues/{queue}/messages``: the owning group.
@@ -40,7 +42,7 @@ from typing import Any, TypeVar
 import orjson
 from aiohttp import web
 
-from http_api.client import Ack, ApiError, OutMessage
+from http_api.client import Ack, ApiError, OutcomeUnknownError, OutMessage
 from http_api.errors import envelope, json_response
 from http_api.routing import RoutedProducer, RoutingClient
 
@@ -120,7 +122,14 @@ def _ack_json(a: Ack, group: str) -> dict[str, Any]:
 
 
 def _api_error(exc: ApiError, **extra: object) -> web.Response:
-    status = exc.status or 503
+    """The envelope of a forwarded failure. An outcome the proxy does not
+    know is a 504, never a 503 (clients send a 503'd request again: it
+    would be written twice); other failures without an answer are 503s
+    (nothing was sent)."""
+    if isinstance(exc, OutcomeUnknownError) or exc.details.get("outcome_unknown"):
+        status = 504
+    else:
+        status = exc.status or 503
     message = str(exc).split(": ", 1)[-1] if exc.status else str(exc)
     details = {k: v for k, v in exc.details.items() if k != "outcome_unknown"}
     return envelope(status, exc.code, message, **details, **extra)
@@ -214,7 +223,20 @@ class Proxy:
                 got = await self._run(self.rc.send_batch, topic, q, part, ordered, self.producer)
             except ApiError as exc:
                 done = [a for a in acked if a is not None]
-                return _api_error(exc, acked=done) if done else _api_error(exc)
+                if not done:
+                    return _api_error(exc)
+                # Some parts are written: never a status a client retries
+                # (429/503), or those parts would be written twice.
+                inner = _api_error(exc)
+                return envelope(
+                    502,
+                    "PARTIALLY_WRITTEN",
+                    f"{len(done)} of {len(msgs)} messages were written (see acked); the part "
+                    f"for queue {q} failed ({inner.status} {exc.code}): {exc}",
+                    acked=done,
+                    failed_status=inner.status,
+                    failed_code=exc.code,
+                )
             route = await self._run(self.rc.route, topic)  # may refresh: off the loop
             for k, a in zip(ks, got, strict=True):
                 acked[k] = _ack_json(a, route.owners[a.queue])

@@ -346,7 +346,7 @@ class RoutingClient:
                 self._mark_down(g)  # other batches avoid it meanwhile, whatever happened
                 if exc.details.get("outcome_unknown"):
                     raise OutcomeUnknownError(
-                        exc.status,
+                        504,  # never a 503: a 503 tells a client it may send again
                         "OUTCOME_UNKNOWN",
                         f"broker group {g!r} (queue {q} of {topic!r}) may have written this "
                         f"batch; it is not moved to another group ({exc})",

@@ -411,10 +411,16 @@ def test_three_groups_controller_failover_group_outage_and_exactly_once(
             dups = {v for v, n in seen.items() if n > 1}
             assert not dups, f"{name} node {nid} stores {sorted(dups)[:5]} twice"
             assert len(got) == len(set(got))
-    all_values: list[str] = []
+    where: dict[str, list[tuple[str, int, int]]] = {}
     for name, lc in groups.items():
-        all_values += [v for _, _, v in read_replica(lc.http(1), route.queues_of(name))]
-    assert len(all_values) == len(set(all_values)), "a value is stored in two groups"
+        for q, off, v in read_replica(lc.http(1), route.queues_of(name)):
+            where.setdefault(v, []).append((name, q, off))
+    twice = {v: w for v, w in where.items() if len(w) > 1}
+    outcome = {o.value: (o.via, o.outcome, o.code) for o in ops}
+    assert not twice, "stored twice: " + "; ".join(
+        f"{v} at {w}, client saw {outcome.get(v)}" for v, w in sorted(twice.items())[:5]
+    )
+    all_values = list(where)
     assert set(acked) <= set(all_values)
     print(f"total: {time.monotonic() - t_start:.1f} s")
 

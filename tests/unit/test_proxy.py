@@ -6,7 +6,8 @@ from __future__ import annotations
 from aiohttp.test_utils import TestClient, TestServer
 
 from dledger.cluster import free_ports
-from dledger_app.proxy import Proxy
+from dledger_app.proxy import Proxy, _api_error
+from http_api.client import ApiError, OutcomeUnknownError, UnavailableError
 from http_api.routing import RoutingClient
 
 
@@ -62,3 +63,18 @@ async def test_no_route_is_a_503_with_retry_after() -> None:
         assert r.status == 200
     finally:
         await c.close()
+
+
+def test_an_unknown_outcome_is_a_504_never_a_503() -> None:
+    """A client sends a 503'd request again; after an unknown outcome that
+    would write the message twice (found by the live test: a value in two
+    groups)."""
+    for exc in (
+        OutcomeUnknownError(0, "CONNECTION", "lost", {}),
+        OutcomeUnknownError(503, "OUTCOME_UNKNOWN", "maybe", {}),
+        UnavailableError(503, "UNAVAILABLE", "maybe", {"outcome_unknown": True}),
+    ):
+        assert _api_error(exc).status == 504, exc
+    sure = UnavailableError(503, "UNAVAILABLE", "refused", {"outcome_unknown": False})
+    assert _api_error(sure).status == 503
+    assert _api_error(ApiError(0, "UNAVAILABLE", "refused", {})).status == 503

@@ -140,6 +140,7 @@ def test_an_unknown_outcome_never_moves_and_is_resolved_with_its_sequence() -> N
     with pytest.raises(OutcomeUnknownError) as ei:
         p.send("t", [b"doubt"], queue=1)
     assert ei.value.details["group"] == "g2"
+    assert ei.value.status == 504  # a 503 would invite a resend (the proxy passes it on)
     assert values(groups).count(b"doubt") == 1  # in g2, not copied anywhere else
     # unordered sends avoid the queue in doubt (and g2, blackholed) meanwhile
     for k in range(6):

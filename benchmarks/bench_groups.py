@@ -139,6 +139,7 @@ def run_groups(ctx: Context) -> BenchResult:
             ]  # fmt: skip
             raw[f"groups_{n}"] = {"rates": rates, "msg_per_cpu_s": effs}
             if n == 3:
+                mc.wait_serving(60)
                 (port,) = free_ports(1)
                 addr = f"127.0.0.1:{port}"
                 proxy = subprocess.Popen(
@@ -149,9 +150,10 @@ def run_groups(ctx: Context) -> BenchResult:
                 deadline = time.monotonic() + 30
                 while True:
                     try:
-                        if http_request(addr, "GET", "/healthz", timeout_s=1).status == 200:
+                        r = http_request(addr, "GET", "/healthz", timeout_s=1)
+                        if r.status == 200 and r.json().get("role") == "proxy":
                             break
-                    except OSError:
+                    except (OSError, ValueError):
                         pass
                     if time.monotonic() > deadline:
                         raise RuntimeError("the proxy did not start")

@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             lead = lc.wait_leader(90)
             say(f"    {name}: leader node {lead}, pids {[lc.pid(i) for i in lc.ids()]}")
         wait_groups_live(mc, 60)
+        mc.wait_serving(60)  # every node's port is bound: the proxy's cannot be one of them
         (port,) = free_ports(1)
         paddr = f"127.0.0.1:{port}"
         log = open(d / "proxy.log", "ab")  # noqa: SIM115 (the child keeps it)
@@ -91,9 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         deadline = time.monotonic() + 30
         while True:  # the proxy answers once it listens
             try:
-                if http_request(paddr, "GET", "/healthz", timeout_s=1).status == 200:
+                r = http_request(paddr, "GET", "/healthz", timeout_s=1)
+                if r.status == 200 and r.json().get("role") == "proxy":
                     break
-            except OSError:
+            except (OSError, ValueError):
                 pass
             if time.monotonic() > deadline:
                 say("the proxy did not start; see " + str(d / "proxy.log"))

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dledger.cluster import LocalCluster
 from dledger.config import AuthSpec, toml_value
@@ -131,26 +133,31 @@ class MultiCluster:
             raise ConfigError(f"{mc.dir} already holds a cluster; reuse it or pick another --dir")
         if groups < 1:
             raise ConfigError(f"need >= 1 broker group, got {groups}")
-        ctl = LocalCluster.create(
-            mc.dir / CONTROLLER_DIR,
+        used: set[int] = set()
+
+        def create(sub: str, **kw: Any) -> LocalCluster:
+            # Each group's ports are free when picked, but released before
+            # the next group picks its own: one could come back. Pick again.
+            for _ in range(20):
+                lc = LocalCluster.create(mc.dir / sub, secret=secret, auth=auth, **kw)
+                ports = {p for m in lc.spec.members for p in (m.raft_port, m.http_port)}
+                if not ports & used:
+                    used.update(ports)
+                    return lc
+                shutil.rmtree(lc.dir)
+            raise ConfigError(f"could not find free ports for {sub}")
+
+        ctl = create(
+            CONTROLLER_DIR,
             voters=controller_nodes,
-            secret=secret,
             cluster_id="controller",
             settings={"state_machine": "log", **(settings or {})},
-            auth=auth,
         )
         ctl_http = tuple(m.http_address for m in ctl.spec.members)
         write_group_file(ctl.dir, GroupFile("controller", "controller", ctl_http))
         names = [f"g{k + 1}" for k in range(groups)]
         for name in names:
-            lc = LocalCluster.create(
-                mc.dir / name,
-                voters=nodes,
-                secret=secret,
-                cluster_id=name,
-                settings=settings,
-                auth=auth,
-            )
+            lc = create(name, voters=nodes, cluster_id=name, settings=settings)
             write_group_file(lc.dir, GroupFile(name, "broker", ctl_http))
         mc.layout_path.write_text(
             json.dumps({"controller": CONTROLLER_DIR, "groups": names}, indent=1)
@@ -187,6 +194,14 @@ class MultiCluster:
     def all(self) -> dict[str, LocalCluster]:
         """Every group, the controller first."""
         return {"controller": self.controller(), **self.groups()}
+
+    def wait_serving(self, timeout_s: float = 60.0) -> None:
+        """Until every node of every group answers ``/healthz``: all their
+        ports are bound, so a port picked free afterwards cannot be one of
+        theirs (a proxy started earlier could take a late node's port)."""
+        for lc in self.all().values():
+            for nid in lc.ids():
+                lc.wait_http(nid, timeout_s)
 
     def controller_endpoints(self) -> list[str]:
         return [m.http_address for m in self.controller().spec.members]

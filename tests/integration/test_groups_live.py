@@ -197,6 +197,7 @@ def multi(tmp_path: Path) -> Iterator[MultiCluster]:
 
 @pytest.fixture
 def proxy(multi: MultiCluster) -> Iterator[str]:
+    multi.wait_serving(START_TIMEOUT_S)  # every node's port bound before ours is picked
     (port,) = free_ports(1)
     log = open(multi.dir / "proxy.log", "ab")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(
@@ -430,6 +431,8 @@ def _group_acks_after(prod: Producers, t: float, group: str) -> bool:
 
 
 def _healthy(address: str) -> bool:
-    with contextlib.suppress(OSError):
-        return http_request(address, "GET", "/healthz", timeout_s=1).status == 200
+    """The proxy answers there (not some other process that took the port)."""
+    with contextlib.suppress(OSError, ValueError):
+        r = http_request(address, "GET", "/healthz", timeout_s=1)
+        return r.status == 200 and r.json().get("role") == "proxy"
     return False

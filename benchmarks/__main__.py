@@ -31,6 +31,7 @@ from benchmarks import (  # noqa: F401
     bench_core,
     bench_cost,
     bench_failover,
+    bench_groups,
     bench_http,
     bench_looplag,
     bench_read,

@@ -2,11 +2,13 @@
 
     dledger node --cluster FILE --id ID [--secret S] [--log-level info]
     dledger cluster up [--nodes 3|5] [--learners K] [--dir DIR] [--secret S]
+    dledger cluster up --groups 3 [--nodes 3]   # 3 broker groups + a 3-node controller group
     dledger cluster status [--dir DIR] [--json]
     dledger cluster endpoints [--dir DIR]       # host:port,host:port,... (HTTP)
     dledger cluster down [--dir DIR]
     dledger cluster kill ID [--signal KILL|TERM|STOP|CONT] [--dir DIR]
     dledger cluster restart ID [--dir DIR]
+    dledger proxy [--listen H:P] [--routes H:P,... | --dir DIR]   # multi-group /v1 proxy
     dledger produce TOPIC [--file F | VALUE...] [--endpoints H:P,...] [--token T]
     dledger consume TOPIC --group G [--from earliest|latest] [--max N] [--follow]
     dledger topics list | create NAME [--queues N] | describe NAME | delete NAME
@@ -36,13 +38,20 @@ from typing import Any
 
 import orjson
 
+from broker_adapter.node_sm import BrokerStateMachine
+from controller.node_sm import ControllerStateMachine
 from dledger.admin_http import AdminServer
 from dledger.cluster import DEFAULT_DIR, LocalCluster
 from dledger.config import NodeConfig, load_cluster_file
 from dledger.errors import ConfigError, StorageCorrupted
+from dledger.http_auth import ROUTE_ROLES as APP_ROUTE_ROLES
 from dledger.node import Node
+from dledger_app import multi_cli, proxy
+from dledger_app.broker_agent import GroupAgent
+from dledger_app.controller_node import ControllerServer
+from dledger_app.groups import GroupFile, MultiCluster, load_group_file
 from http_api import cli as client_cli
-from http_api.server import NodeServer, make_state_machine
+from http_api.server import NodeServer, make_node_app, make_state_machine
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -64,9 +73,13 @@ def _setup_logging(level: str, node_id: int) -> None:
 # dledger node
 
 
-async def run_node(cfg: NodeConfig) -> int:
-    """Run one node until SIGTERM/SIGINT or a fatal error; returns the exit code."""
-    node = Node(cfg, make_state_machine(cfg))
+async def run_node(cfg: NodeConfig, group: GroupFile | None = None) -> int:
+    """Run one node until SIGTERM/SIGINT or a fatal error; returns the exit code.
+    ``group``: the node's group file (a multi-group deployment), if any."""
+    if group is not None and group.role == "controller":
+        node = Node(cfg, ControllerStateMachine())
+    else:
+        node = Node(cfg, make_state_machine(cfg))
     try:
         await node.start()
     except (StorageCorrupted, ConfigError) as exc:
@@ -75,9 +88,21 @@ async def run_node(cfg: NodeConfig) -> int:
     except OSError as exc:
         logger.critical("cannot listen on raft %s:%d: %s", cfg.raft_host, cfg.raft_port, exc)
         return EXIT_FAILURE
-    server: AdminServer | NodeServer = (
-        NodeServer(node) if cfg.state_machine == "broker" else AdminServer(node)
-    )
+    agent: GroupAgent | None = None
+    server: AdminServer
+    if group is not None and group.role == "controller":
+        server = ControllerServer(node)
+    elif cfg.state_machine == "broker":
+        app = make_node_app(node)
+        if group is not None:
+            assert isinstance(node.state_machine, BrokerStateMachine)
+            agent = GroupAgent(node, node.state_machine, group)
+            app.router.add_routes(agent.routes())
+            app[APP_ROUTE_ROLES].update(GroupAgent.ROUTE_ROLES)
+            app.middlewares.append(agent.middleware)  # innermost: after auth and the guard
+        server = NodeServer(node, app)
+    else:
+        server = AdminServer(node)
     try:
         await server.start()
     except OSError as exc:
@@ -92,6 +117,8 @@ async def run_node(cfg: NodeConfig) -> int:
     gc.freeze()
     gc.set_threshold(50_000, 50, 100)
 
+    if agent is not None:
+        agent.start()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -114,6 +141,8 @@ async def run_node(cfg: NodeConfig) -> int:
     fail_wait.cancel()
     if stop.is_set():
         logger.info("signal received: stopping")
+    if agent is not None:
+        await agent.stop()
     await node.stop()
     await server.stop()
     if node.fatal is not None:
@@ -127,11 +156,12 @@ async def run_node(cfg: NodeConfig) -> int:
 def cmd_node(args: argparse.Namespace) -> int:
     try:
         cfg = load_cluster_file(args.cluster).node_config(args.id, secret=args.secret)
+        group = load_group_file(args.cluster)
     except ConfigError as exc:
         print(f"dledger node: {exc}", file=sys.stderr)
         return EXIT_OPERATOR
     _setup_logging(args.log_level, cfg.node_id)
-    return asyncio.run(run_node(cfg))
+    return asyncio.run(run_node(cfg, group))
 
 
 # ---------------------------------------------------------------------------
@@ -148,6 +178,13 @@ def _print_members(lc: LocalCluster) -> None:
 
 
 def cmd_cluster_up(args: argparse.Namespace) -> int:
+    if args.groups is not None or MultiCluster.is_multi(args.dir):
+        if args.learners:
+            print("dledger cluster up: --learners is not supported with --groups", file=sys.stderr)
+            return EXIT_OPERATOR
+        if args.groups is None:
+            args.groups = len(MultiCluster(args.dir).group_names())
+        return multi_cli.cmd_up(args)
     lc = LocalCluster(args.dir)
     if lc.cluster_path.exists():
         spec = lc.spec
@@ -193,6 +230,8 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster_status(args: argparse.Namespace) -> int:
+    if MultiCluster.is_multi(args.dir):
+        return multi_cli.cmd_status(args)
     lc = LocalCluster(args.dir)
     statuses: dict[int, dict[str, Any] | None] = {nid: lc.status(nid) for nid in lc.ids()}
     if args.json:
@@ -224,6 +263,8 @@ def cmd_cluster_status(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster_endpoints(args: argparse.Namespace) -> int:
+    if MultiCluster.is_multi(args.dir):
+        return multi_cli.cmd_endpoints(args)
     lc = LocalCluster(args.dir)
     if not lc.cluster_path.exists():
         print(
@@ -237,6 +278,8 @@ def cmd_cluster_endpoints(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster_down(args: argparse.Namespace) -> int:
+    if MultiCluster.is_multi(args.dir):
+        return multi_cli.cmd_down(args)
     lc = LocalCluster(args.dir)
     for nid, how in lc.down(args.timeout).items():
         print(f"node {nid}: {how}")
@@ -244,6 +287,8 @@ def cmd_cluster_down(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster_kill(args: argparse.Namespace) -> int:
+    if MultiCluster.is_multi(args.dir):
+        return multi_cli.cmd_kill(args)
     lc = LocalCluster(args.dir)
     sig = signal.Signals[f"SIG{args.signal.upper().removeprefix('SIG')}"]
     lc.member(args.id)
@@ -255,6 +300,8 @@ def cmd_cluster_kill(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster_restart(args: argparse.Namespace) -> int:
+    if MultiCluster.is_multi(args.dir):
+        return multi_cli.cmd_restart(args)
     lc = LocalCluster(args.dir)
     lc.member(args.id)
     how = lc.stop(args.id, args.timeout)
@@ -293,6 +340,12 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--nodes", type=int, choices=[1, 3, 5, 7], help="voters (default 3)")
     up.add_argument("--learners", type=int, help="non-voting replicas (default 0)")
     up.add_argument("--secret", help="peer authentication secret (default: a random one)")
+    up.add_argument(
+        "--groups",
+        type=int,
+        help="broker groups (each --nodes voters) plus a 3-node controller group: "
+        "a multi-group cluster (default: one group, no controller)",
+    )
     up.set_defaults(func=cmd_cluster_up)
 
     st = with_dir(csub.add_parser("status", help="ask every node for its Raft status"))
@@ -314,12 +367,15 @@ def _parser() -> argparse.ArgumentParser:
     k = with_dir(csub.add_parser("kill", help="signal one node (default SIGKILL)"))
     k.add_argument("id", type=int)
     k.add_argument("--signal", default="KILL", choices=["KILL", "TERM", "STOP", "CONT", "INT"])
+    k.add_argument("--group", help="multi-group cluster: controller, g1, g2, ...")
     k.set_defaults(func=cmd_cluster_kill)
 
     r = with_dir(csub.add_parser("restart", help="stop one node (if running) and start it"))
     r.add_argument("id", type=int)
+    r.add_argument("--group", help="multi-group cluster: controller, g1, g2, ...")
     r.set_defaults(func=cmd_cluster_restart)
 
+    proxy.add_command(sub, DEFAULT_DIR)
     client_cli.add_commands(sub)
     return p
 

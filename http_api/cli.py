@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import json
 import os
 import signal
 import sys
@@ -36,8 +37,10 @@ from dledger.cluster import CLUSTER_FILE, DEFAULT_DIR
 from dledger.config import load_cluster_file
 from dledger.errors import ConfigError
 from http_api.client import ApiError, Batch, Client, OutMessage
+from http_api.routing import RoutingClient
 
 ENDPOINTS_ENV = "DLEDGER_ENDPOINTS"
+LAYOUT_FILE = "layout.json"  # a multi-group cluster directory (dledger_app.groups)
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -57,6 +60,18 @@ def endpoints(arg: str | None, cluster_dir: str) -> list[str]:
         if not out or not all(e.rpartition(":")[2].isdigit() for e in out):
             raise UsageError(f"--endpoints must be host:port[,host:port...], got {raw!r}")
         return out
+    layout = Path(cluster_dir) / LAYOUT_FILE
+    if layout.exists():  # a multi-group cluster: the controller's nodes, then every group's
+        try:
+            lay = json.loads(layout.read_text())
+            subs = [str(lay.get("controller", "controller")), *map(str, lay["groups"])]
+            return [
+                m.http_address
+                for sub in subs
+                for m in load_cluster_file(Path(cluster_dir) / sub / CLUSTER_FILE).members
+            ]
+        except (OSError, ValueError, KeyError, TypeError, ConfigError) as exc:
+            raise UsageError(f"{layout}: {exc}") from None
     path = Path(cluster_dir) / CLUSTER_FILE
     if not path.exists():
         raise UsageError(
@@ -69,16 +84,20 @@ def endpoints(arg: str | None, cluster_dir: str) -> list[str]:
         raise UsageError(str(exc)) from None
 
 
-def _client(args: argparse.Namespace) -> Client:
+def _client(args: argparse.Namespace) -> Client | RoutingClient:
+    """A client for one group, or a routing client when the endpoints
+    serve ``/v1/routes`` (a multi-group cluster: controller or broker nodes)."""
     # --timeout bounds each request, retries included (a long poll gets its
     # wait on top), so an unreachable cluster is reported within it.
     budget = args.timeout + getattr(args, "wait_ms", 0) / 1000
-    return Client(
-        endpoints(args.endpoints, args.dir),
-        timeout_s=budget,
-        retry_for_s=budget,
-        token=args.token,  # None: $DLEDGER_TOKEN
-    )
+    eps = endpoints(args.endpoints, args.dir)
+    client = Client(eps, timeout_s=budget, retry_for_s=budget, token=args.token)
+    try:
+        client.request("GET", "/v1/routes", safe=True, retry_for_s=min(budget, 2.0))
+    except ApiError as exc:
+        if exc.status != 503:  # 404: a single group; anything else: its own error later
+            return client
+    return RoutingClient(eps, timeout_s=budget, group_retry_s=budget, token=args.token)
 
 
 def show_value(value: bytes) -> str:
@@ -167,7 +186,7 @@ class _Stop:
         self.flag = True
 
 
-def _read(client: Client, topic: str, queue: int, offset: int, n: int) -> Batch:
+def _read(client: Client | RoutingClient, topic: str, queue: int, offset: int, n: int) -> Batch:
     try:
         return client.consume(topic, queue, offset, max_messages=n)
     except ApiError as exc:

@@ -49,6 +49,14 @@ class ApiError(Exception):
         self.details = details
 
 
+class NotSent(Exception):
+    """A connection could not be set up: the request was surely not sent."""
+
+    def __init__(self, cause: OSError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
 class OutcomeUnknownError(ApiError):
     """The write may or may not have happened; retrying it may duplicate it."""
 
@@ -244,13 +252,30 @@ class Client:
         self.retry_for_s = retry_for_s
         self._current = self.addresses[0]
 
-    def request(self, method: str, path: str, body: Any = None, *, safe: bool) -> Any:
-        """``safe``: the request may be repeated after an unknown outcome."""
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        safe: bool,
+        retry_for_s: float | None = None,
+    ) -> Any:
+        """``safe``: the request may be repeated after an unknown outcome.
+        ``retry_for_s``: this request's retry budget (default the client's).
+        An :class:`UnavailableError` says in ``details["outcome_unknown"]``
+        whether some attempt may have been carried out; when it is False,
+        none was (refused connections, 503s, 429s): the request surely did
+        nothing."""
         data = json.dumps(body).encode() if body is not None else None
-        deadline = time.monotonic() + self.retry_for_s
+        retry_for_s = self.retry_for_s if retry_for_s is None else retry_for_s
+        deadline = time.monotonic() + retry_for_s
         address = self._current
         k = 0
         last = ""  # why the last attempt failed, for the error a person reads
+        # Whether some attempt may have been carried out (sent, then no
+        # answer, or a 504): the request then failed "maybe", not "surely".
+        ambiguous = False
         while True:
             # No single attempt outlives the retry budget: a node that never
             # answers costs at most what is left of it.
@@ -260,12 +285,16 @@ class Client:
             except ConnectionRefusedError:
                 status, headers, raw = 0, {}, b""
                 last = f"connection refused at {address}"
+            except NotSent as exc:
+                status, headers, raw = 0, {}, b""
+                last = f"cannot connect to {address}: {_describe(exc.cause)}"
             except (OSError, http.client.HTTPException) as exc:
                 if not safe:
                     raise OutcomeUnknownError(
                         0, "CONNECTION", f"{address}: {_describe(exc)}", {}
                     ) from None
                 self.resent_after_unknown += 1
+                ambiguous = True
                 status, headers, raw = 0, {}, b""
                 last = f"{address}: {_describe(exc)}"
             if status == 307 and "location" in headers:
@@ -277,6 +306,7 @@ class Client:
                 return parsed
             if status == 504 and safe:
                 self.resent_after_unknown += 1
+                ambiguous = True
                 status = 503
             if status in (0, *RETRY_STATUSES):
                 if status:
@@ -287,9 +317,8 @@ class Client:
                     raise UnavailableError(
                         status,
                         "UNAVAILABLE",
-                        f"{method} {path}: gave up after {self.retry_for_s:g} s; "
-                        f"last attempt: {last}",
-                        {"last_error": last},
+                        f"{method} {path}: gave up after {retry_for_s:g} s; last attempt: {last}",
+                        {"last_error": last, "outcome_unknown": ambiguous},
                     )
                 k += 1
                 address = self.addresses[k % len(self.addresses)]
@@ -310,6 +339,12 @@ class Client:
             host, int(port), timeout=self.timeout_s if timeout_s is None else timeout_s
         )
         try:
+            try:
+                conn.connect()
+            except OSError as exc:
+                if isinstance(exc, ConnectionRefusedError):
+                    raise
+                raise NotSent(exc) from None  # nothing was sent: surely not done
             headers = dict(self._auth)
             if data is not None:
                 headers["Content-Type"] = "application/json"
@@ -478,17 +513,31 @@ class AsyncClient:
     async def close(self) -> None:
         await self._session.close()
 
-    async def request(self, method: str, path: str, body: Any = None, *, safe: bool) -> Any:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        safe: bool,
+        headers: dict[str, str] | None = None,
+    ) -> Any:
+        """``headers``: extra request headers (they override the client's)."""
         import aiohttp
 
         deadline = time.monotonic() + self.retry_for_s
         address = self._current
         k = 0
+        ambiguous = False
         while True:
             status, location, parsed = 0, None, None
             try:
                 async with self._session.request(
-                    method, f"http://{address}{path}", json=body, allow_redirects=False
+                    method,
+                    f"http://{address}{path}",
+                    json=body,
+                    allow_redirects=False,
+                    headers=headers,
                 ) as r:
                     status, location = r.status, r.headers.get("Location")
                     raw = await r.read()
@@ -499,6 +548,7 @@ class AsyncClient:
                 if not safe:
                     raise OutcomeUnknownError(0, "CONNECTION", repr(exc), {}) from None
                 self.resent_after_unknown += 1
+                ambiguous = True
                 status = 0
             if status == 307 and location:
                 address = urllib.parse.urlsplit(location).netloc
@@ -508,10 +558,13 @@ class AsyncClient:
                 return parsed
             if status == 504 and safe:
                 self.resent_after_unknown += 1
+                ambiguous = True
                 status = 503
             if status in (0, *RETRY_STATUSES):
                 if time.monotonic() > deadline:
-                    raise UnavailableError(status, "UNAVAILABLE", f"{method} {path}", {})
+                    raise UnavailableError(
+                        status, "UNAVAILABLE", f"{method} {path}", {"outcome_unknown": ambiguous}
+                    )
                 k += 1
                 address = self.addresses[k % len(self.addresses)]
                 await asyncio.sleep(min(0.5, 0.05 * k))

@@ -62,8 +62,9 @@ def make_node_app(node: Node) -> web.Application:
 class NodeServer(AdminServer):
     """Serves :func:`make_node_app` (operator routes plus /v1) on the node's http address."""
 
-    def __init__(self, node: Node) -> None:
-        app = make_node_app(node)
+    def __init__(self, node: Node, app: web.Application | None = None) -> None:
+        """``app``: one :func:`make_node_app` made (and a composition extended)."""
+        app = app if app is not None else make_node_app(node)
         super().__init__(node, app)
         # the node's connection limits (timeouts, connection cap, envelope
         # answers of the HTTP parser): http_api/protocol.py

@@ -30,6 +30,12 @@ backlog (largest remainders get the leftover units, so the total is exact).
 ``Trigger.AvailableNow`` is supported: ``prepareForTriggerAvailableNow``
 records the latest offsets once and no later micro-batch goes past them.
 
+Several broker groups (a controller holds the route table): when the
+endpoints answer ``GET /v1/routes/{topic}``, each queue is described by,
+and read from, the replicas of the group that owns it (any of them, as in
+one group); the endpoints may then be controller or broker nodes of any
+group. Offsets stay per ``(topic, queue)``: queue numbers are global.
+
 Readers open their HTTP connections inside ``read()``, on the executor that
 runs the task; the objects Spark serialises to executors hold only options
 and offset ranges.
@@ -37,8 +43,10 @@ and offset ranges.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+import urllib.parse
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -115,14 +123,19 @@ ARROW_SCHEMA = to_arrow_schema(SCHEMA, timezone="UTC")
 
 
 class RangePartition(InputPartition):
-    """One queue's offsets ``[start, end)``."""
+    """One queue's offsets ``[start, end)``; ``endpoints``: the replicas of
+    the broker group that owns the queue (a multi-group cluster), empty: the
+    source's endpoints."""
 
-    def __init__(self, topic: str, queue: int, start: int, end: int) -> None:
+    def __init__(
+        self, topic: str, queue: int, start: int, end: int, endpoints: tuple[str, ...] = ()
+    ) -> None:
         super().__init__((topic, queue, start, end))
         self.topic = topic
         self.queue = queue
         self.start = start
         self.end = end
+        self.endpoints = endpoints
 
 
 # ----------------------------------------------------------------------------- planning
@@ -174,12 +187,48 @@ def describe_all(opts: SourceOptions, topic: str) -> list[QueueInfo] | None:
     return [merged[q] for q in sorted(merged)] if merged else None
 
 
-def queue_infos(opts: SourceOptions) -> dict[QueueKey, QueueInfo]:
-    out: dict[QueueKey, QueueInfo] = {}
-    for t in opts.topics:
-        for qi in describe_all(opts, t) or []:
-            out[(t, qi.queue)] = qi
+Owners = dict[QueueKey, tuple[str, ...]]
+
+
+def group_routes(opts: SourceOptions, topic: str) -> dict[str, tuple[set[int], tuple[str, ...]]]:
+    """A multi-group cluster (the endpoints serve ``/v1/routes``): group ->
+    (its queues of ``topic``, its replicas' addresses). Empty: one group, or
+    a topic the route table does not know (the describe says which)."""
+    timeout = min(opts.request_timeout_s, DESCRIBE_TIMEOUT_S)
+    with NodeClient(opts.endpoints, timeout, opts.retry_for_s) as c:
+        status, body = c.get(f"/v1/routes/{urllib.parse.quote(topic)}")
+    if status != 200 or not isinstance(body, dict):
+        return {}
+    out: dict[str, tuple[set[int], tuple[str, ...]]] = {}
+    for q in body["queues"]:
+        g = str(q["group"])
+        members = tuple(str(m["http"]) for m in body["groups"].get(g, {}).get("members", []))
+        out.setdefault(g, (set(), members))[0].add(int(q["queue"]))
     return out
+
+
+def plan_infos(opts: SourceOptions) -> tuple[dict[QueueKey, QueueInfo], Owners]:
+    """Every queue's offsets and, in a multi-group cluster, the replicas of
+    the group that owns it (asked as :func:`describe_all` asks one group)."""
+    out: dict[QueueKey, QueueInfo] = {}
+    owners: Owners = {}
+    for t in opts.topics:
+        routes = group_routes(opts, t)
+        if not routes:
+            for qi in describe_all(opts, t) or []:
+                out[(t, qi.queue)] = qi
+            continue
+        for _g, (queues, members) in sorted(routes.items()):
+            sub = dataclasses.replace(opts, endpoints=members)
+            for qi in describe_all(sub, t) or []:
+                if qi.queue in queues:
+                    out[(t, qi.queue)] = qi
+                    owners[(t, qi.queue)] = members
+    return out, owners
+
+
+def queue_infos(opts: SourceOptions) -> dict[QueueKey, QueueInfo]:
+    return plan_infos(opts)[0]
 
 
 def resolve(
@@ -251,8 +300,12 @@ def plan_ranges(
     return out
 
 
-def _partitions(ranges: Sequence[QueueRange]) -> list[RangePartition]:
-    return [RangePartition(r.topic, r.queue, r.start, r.end) for r in ranges]
+def _partitions(ranges: Sequence[QueueRange], owners: Owners | None = None) -> list[RangePartition]:
+    owners = owners or {}
+    return [
+        RangePartition(r.topic, r.queue, r.start, r.end, owners.get((r.topic, r.queue), ()))
+        for r in ranges
+    ]
 
 
 # ----------------------------------------------------------------------------- reading
@@ -281,7 +334,7 @@ def read_partition(opts: SourceOptions, p: RangePartition) -> Iterator[pa.Record
     """Executor side: exactly the messages of ``p`` as Arrow batches."""
     r = QueueRange(p.topic, p.queue, p.start, p.end)
     with NodeClient(
-        opts.endpoints,
+        p.endpoints or opts.endpoints,
         opts.request_timeout_s,
         opts.retry_for_s,
         first=first_endpoint(r.topic, r.queue),
@@ -321,7 +374,7 @@ class DLedgerBatchReader(DataSourceReader):
         self.opts = opts
 
     def partitions(self) -> list[RangePartition]:
-        infos = queue_infos(self.opts)
+        infos, owners = plan_infos(self.opts)
         missing = [t for t in self.opts.topics if not any(k[0] == t for k in infos)]
         if missing:
             raise OptionError(f"topic(s) {missing} do not exist on {list(self.opts.endpoints)}")
@@ -332,7 +385,7 @@ class DLedgerBatchReader(DataSourceReader):
                 raise OptionError(
                     f"{k[0]}/{k[1]}: startingOffsets {s} is after endingOffsets {end[k]}"
                 )
-        return _partitions(plan_ranges(start, end, self.opts.min_partitions))
+        return _partitions(plan_ranges(start, end, self.opts.min_partitions), owners)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, RangePartition)
@@ -345,6 +398,9 @@ class DLedgerStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # Trigger.AvailableNow: the latest offsets when the query began (in memory
         # only: a restarted AvailableNow query takes a new target, as Kafka's does)
         self._target: dict[QueueKey, int] | None = None
+        # which group's replicas serve each queue (a multi-group cluster),
+        # as of the last planning; refreshed when a queue is missing
+        self._owners: Owners = {}
 
     # offsets -------------------------------------------------------------------
     def initialOffset(self) -> dict[str, dict[str, int]]:
@@ -352,7 +408,8 @@ class DLedgerStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return offsets_to_json(resolve(self.opts.starting, infos, EARLIEST))
 
     def _latest(self) -> dict[QueueKey, int]:
-        return {k: qi.max_offset for k, qi in queue_infos(self.opts).items()}
+        infos, self._owners = plan_infos(self.opts)
+        return {k: qi.max_offset for k, qi in infos.items()}
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.opts.max_offsets_per_trigger is None:
@@ -387,7 +444,10 @@ class DLedgerStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def partitions(
         self, start: dict[str, dict[str, int]], end: dict[str, dict[str, int]]
     ) -> list[RangePartition]:
-        return _partitions(plan_ranges(offsets_from_json(start), offsets_from_json(end)))
+        ranges = plan_ranges(offsets_from_json(start), offsets_from_json(end))
+        if any((r.topic, r.queue) not in self._owners for r in ranges):
+            self._owners = plan_infos(self.opts)[1]
+        return _partitions(ranges, self._owners)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, RangePartition)

@@ -7,8 +7,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 echo "==> ruff"
 .venv/bin/ruff check .
-echo "==> mypy --strict (dledger, dledger_app, broker_adapter, http_api, jepsen_like, pipeline)"
-.venv/bin/mypy --strict dledger dledger_app broker_adapter http_api jepsen_like pipeline
+echo "==> mypy --strict (dledger, dledger_app, broker_adapter, controller, http_api, jepsen_like, pipeline)"
+.venv/bin/mypy --strict dledger dledger_app broker_adapter controller http_api jepsen_like pipeline
 echo "==> pytest"
 .venv/bin/python -m pytest -p no:cacheprovider "$@"
 echo "==> simulation sweep: 300 seeds of real nodes, 3- and 5-voter mixes with learners and every fault kind"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ABOVE = ("broker_adapter", "http_api", "dledger_app", "jepsen_like", "pipeline", "benchmarks")
+ABOVE = ("broker_adapter", "http_api", "controller", "dledger_app", "jepsen_like", "pipeline", "benchmarks")
 
 
 def test_dledger_imports_nothing_above_it() -> None:

@@ -912,10 +912,24 @@ class RawNode:
         stale_ok = FAULT_INSTALL_STALE_SNAPSHOT in self._faults
         if meta.index <= self.log.committed and not stale_ok:
             # Stale or duplicated: we already hold (and may have applied) more;
-            # installing it would roll the state machine back.
-            self._send(
-                Message(MsgType.APP_RESP, m.frm, self.id, self.term, index=self.log.committed)
-            )
+            # installing it would roll the state machine back. Acknowledge
+            # only what the snapshot proves we share with the leader (its
+            # last entry, when we still hold it, must be ours), never our
+            # whole commit index unchecked: in async flush mode a leader may
+            # hold another history below it, which the appends that follow
+            # from ``meta.index`` then reveal (_check_committed_prefix).
+            try:
+                mine = self.log.term(meta.index)
+            except Compacted:
+                mine = meta.term  # inside our own snapshot: nothing to compare
+            if meta.index > 0 and mine != meta.term:
+                raise ReplicaDiverged(
+                    f"node {self.id}: the leader {m.frm} (term {m.term}) sent a snapshot at "
+                    f"{meta.index}@t{meta.term} but this replica committed "
+                    f"{meta.index}@t{mine}: the replicas diverged; rebuild this replica "
+                    "from the leader"
+                )
+            self._send(Message(MsgType.APP_RESP, m.frm, self.id, self.term, index=meta.index))
             return
         if self.log.match_term(meta.index, meta.term) and not stale_ok:
             # Our log already holds the snapshot's last entry: it is committed,

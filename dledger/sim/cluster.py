@@ -545,6 +545,8 @@ class Simulation:
             h = self.hosts.get(to)
             if h is None or to in self.removed:
                 return
+            if self.cfg.flush == "async" and not is_stream_frame(data):
+                self._check_ack(frm, inc, h, data)
             self._hash.update(struct.pack(">HHI", frm, to, zlib.crc32(data)))
             h.deliver(frm, data)
         elif kind == "restart":
@@ -566,6 +568,40 @@ class Simulation:
             self._client_op()
         elif kind == "call":
             payload()
+
+    def _check_ack(self, frm: int, inc: int, leader: Host, data: bytes) -> None:
+        """An acknowledgement reaching the leader of its term names an entry
+        the sender holds, the leader's own: within one term only that leader
+        appends to it, so nothing can have replaced it since (unless the
+        sender lost power after sending: another incarnation). Checked in
+        async mode, where acknowledging a commit index unchecked after a
+        power loss made leaders count entries replicas did not hold."""
+        m = decode_message(data)
+        if m.type is not MsgType.APP_RESP or m.reject:
+            return
+        lr = leader.node._raft
+        sender = self.hosts.get(frm)
+        if (
+            lr is None
+            or lr.role is not Role.LEADER
+            or lr.term != m.term
+            or sender is None
+            or self.incarnation.get(frm) != inc
+            or sender.node._raft is None
+            or sender.node._raft.term != m.term
+            or m.index > lr.log.last_index()
+        ):
+            return
+        want = lr._safe_term(m.index)
+        fr = sender.node._raft
+        if want == 0 or m.index < fr.log.first_index():
+            return  # compacted on either side
+        if not fr.log.match_term(m.index, want):
+            self.fail(
+                f"node {frm} acknowledged {m.index} to leader {leader.nid} (term {m.term}), "
+                f"which holds {m.index}@t{want} there, but node {frm} holds "
+                f"{m.index}@t{fr._safe_term(m.index)}"
+            )
 
     # ------------------------------------------------------------------ network
     def net_send(self, frm: int, to: int, payload: bytes, t: float) -> None:
@@ -1458,6 +1494,32 @@ PROFILES: dict[str, dict[str, Any]] = {
         "transfers": False,
         "learners": 0,
         "write_share": 0.8,
+    },
+    "lost-majority": {
+        # issue #20's divergence, scripted (dledger/sim/scenarios.py)
+        "min_steps": 25000,
+        "flush": "async",
+        "voters": 3,
+        "learners": 0,
+        "scenario": "lost-majority",
+        "membership": False,
+        "transfers": False,
+        "keep_down_rate": 0.0,
+        "write_share": 0.8,
+        "drop_rate": 0.01,
+    },
+    "lost-rewrite": {
+        # issue #12 bug 6, scripted (dledger/sim/scenarios.py)
+        "min_steps": 25000,
+        "flush": "async",
+        "voters": 3,
+        "learners": 0,
+        "scenario": "lost-rewrite",
+        "membership": False,
+        "transfers": False,
+        "keep_down_rate": 0.0,
+        "write_share": 0.8,
+        "drop_rate": 0.01,
     },
     "learner-vote": {
         "min_steps": 25000,

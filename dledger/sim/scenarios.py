@@ -18,6 +18,25 @@ promotes 3 while its messages to 3 are lost; the other voter applies the
 promotion; the leader dies for good. The survivor needs 3's vote, and 3,
 still a learner in its own view, must answer it: if it ignores (pre-)votes
 no leader is ever elected (a liveness violation in the quiet phase).
+
+``lost-rewrite`` (issue #12 bug 6, ``flush="async"``): the leader is cut
+off alone and appends entries nobody else gets; they reach its disk. The
+others elect a new leader and commit other entries at those indexes. After
+the heal the old leader replaces its tail with the new leader's entries (in
+the page cache only) and acknowledges them, then loses power: it comes back
+with its old tail, while the new leader still believes it holds the new
+one. The heartbeat's commit index covers those indexes; a follower that
+commits it without checking the term there applies entries no leader
+committed.
+
+``lost-majority`` (issue #20, ``flush="async"``): both followers of a
+3-voter cluster lose power at once while the leader is cut off; they come
+back with a shorter log than the old leader's commit index, elect a leader
+and write past it. After the heal the old leader must find that the new
+history differs below its commit index and stop (``ReplicaDiverged``, then
+it is rebuilt): answering the new leader's probes with its own commit index
+unchecked makes the new leader believe it holds entries it does not, and the
+replicas never converge.
 """
 
 from __future__ import annotations
@@ -265,7 +284,106 @@ class StaleSnapshot(_Script):
             self.phase = 0  # again, as long as the run lasts
 
 
+class LostRewrite(_Script):
+    def __init__(self, sim: Simulation) -> None:
+        super().__init__(sim)
+        self.old = 0  # the leader cut off
+        self.old_last = 0  # its last index once its own tail was on disk
+        self.deadline = 0.0
+
+    def step(self) -> None:
+        sim = self.sim
+        if self.phase == 0:
+            lead = self.leader()
+            if lead is None or sim.stats["acked"] < 5:
+                return
+            self.old = lead.nid
+            sim.cut([{self.old}])
+            for _ in range(self.rng.randrange(2, 6)):
+                sim.spawn_client(lead, sim.client_write(lead))
+            sim.trace(f"scenario: leader n{self.old} cut off alone, writing")
+            self.deadline = sim.now + self.rng.uniform(0.25, 0.5)
+            self.phase = 1
+        elif self.phase == 1 and sim.now > self.deadline:
+            old = sim.hosts.get(self.old)
+            lead = self.leader()
+            if old is None or lead is None or lead.nid == self.old:
+                return
+            self.old_last = old.node._raft.log.last_index()
+            if lead.node._raft.log.committed < self.old_last:
+                sim.spawn_client(lead, sim.client_write(lead))
+                return
+            sim.blocked.clear()
+            sim.trace(f"scenario: heal; n{lead.nid} leads, n{self.old} held up to {self.old_last}")
+            self.deadline = sim.now + 1.0
+            self.phase = 2
+        elif self.phase == 2:
+            old = sim.hosts.get(self.old)
+            lead = self.leader()
+            if old is None or lead is None or sim.now > self.deadline:
+                self.phase = 0
+                return
+            lr = lead.node._raft
+            pr = lr._progress.get(self.old)
+            o = old.node._raft
+            term = lr._safe_term(self.old_last)  # 0: compacted already
+            if term == 0:
+                self.phase = 0
+                return
+            if pr is not None and pr.match >= self.old_last and o.log.match_term(self.old_last, term):
+                sim.trace(f"scenario: n{self.old} took the new tail; loses power")
+                sim.crash(self.old, self.rng.uniform(0.002, 0.01))
+                self.deadline = sim.now + 0.3
+                self.phase = 3
+        elif self.phase == 3 and sim.now > self.deadline:
+            self.phase = 0  # again, as long as the run lasts
+
+
+class LostMajority(_Script):
+    def __init__(self, sim: Simulation) -> None:
+        super().__init__(sim)
+        self.old = 0
+        self.old_commit = 0
+        self.deadline = 0.0
+
+    def step(self) -> None:
+        sim = self.sim
+        if self.phase == 0:
+            lead = self.leader()
+            if lead is None or sim.stats["acked"] < 5 + self.rng.randrange(20):
+                return
+            self.old = lead.nid
+            self.old_commit = lead.node._raft.log.committed
+            others = [v for v in lead.node._raft.config.voters if v != self.old]
+            sim.cut([{self.old}])
+            sim.trace(f"scenario: n{self.old} cut off; {others} lose power")
+            for v in others:
+                sim.crash(v, self.rng.uniform(0.005, 0.05))
+            self.deadline = sim.now + 2.0
+            self.phase = 1
+        elif self.phase == 1:
+            lead = self.leader()
+            if sim.now > self.deadline:
+                sim.blocked.clear()
+                self.phase = 3
+                return
+            if lead is None or lead.nid == self.old:
+                return
+            lr = lead.node._raft
+            if lr.log.committed <= self.old_commit + 2:
+                sim.spawn_client(lead, sim.client_write(lead))
+                return
+            sim.blocked.clear()
+            sim.trace(f"scenario: heal; n{lead.nid} leads at {lr.log.committed}")
+            self.deadline = sim.now + self.rng.uniform(0.5, 1.5)
+            self.phase = 2
+        elif self.phase in (2, 3) and sim.now > self.deadline:
+            self.phase = 0  # again, as long as the run lasts
+
+
 SCENARIOS: dict[str, Callable[[Simulation], Callable[[], None]]] = {
+    "lost-majority": LostMajority,
+    "lost-rewrite": LostRewrite,
     "stale-snapshot": StaleSnapshot,
     "figure8": Figure8,
     "conf-replay": ConfReplay,

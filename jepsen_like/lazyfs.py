@@ -52,9 +52,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import importlib
 import json
 import os
 import random
+import signal
 import stat
 import sys
 from dataclasses import dataclass, field
@@ -63,10 +65,15 @@ from typing import Any
 SECTOR = 512
 FSNAME = "jepsen-lazyfs"
 
-try:  # the daemon needs pyfuse3 (PyPI) over Debian's libfuse3; the harness does not
-    import pyfuse3
-    import trio
-except ImportError:  # pragma: no cover - reported by why_unavailable()
+# The daemon needs pyfuse3 (PyPI, built over Debian's libfuse3) and trio; the
+# harness imports this module without them. Typed Any so that the checks
+# read the same with and without the optional packages.
+pyfuse3: Any
+trio: Any
+try:
+    pyfuse3 = importlib.import_module("pyfuse3")
+    trio = importlib.import_module("trio")
+except ImportError:  # reported by why_unavailable()
     pyfuse3 = None
     trio = None
 
@@ -249,9 +256,7 @@ if pyfuse3 is not None:
                 if k < start_id:
                     continue
                 ino = self._ino(st)
-                if not pyfuse3.readdir_reply(
-                    token, os.fsencode(name), self._attrs(st, ino), k + 1
-                ):
+                if not pyfuse3.readdir_reply(token, os.fsencode(name), self._attrs(st, ino), k + 1):
                     break
                 self._remember(os.path.join(path, name), st)
 
@@ -304,10 +309,8 @@ if pyfuse3 is not None:
             new = os.path.join(self._path(parent_inode_new), os.fsdecode(name_new))
             st = self._stat(old)
             replaced: os.stat_result | None = None
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 replaced = os.lstat(new)
-            except FileNotFoundError:
-                pass
             try:
                 os.rename(old, new)
             except OSError as e:
@@ -559,14 +562,20 @@ if pyfuse3 is not None:
             return {"ok": False, "error": str(e)}
 
     def _invalidate(inode: int) -> None:
-        try:
+        # OSError: the kernel never cached it (or forgot it already).
+        with contextlib.suppress(OSError):
             pyfuse3.invalidate_inode(inode, attr_only=False)
-        except OSError:
-            pass  # the kernel never cached it (or forgot it already)
+
+    async def _signals() -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+            async for _ in sigs:
+                pyfuse3.terminate()  # main() returns; the caller unmounts
+                return
 
     async def _main(ops: LazyOps, control: str) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_control, ops, control)
+            nursery.start_soon(_signals)
             await pyfuse3.main()
             nursery.cancel_scope.cancel()
 

@@ -421,67 +421,81 @@ class Nemesis:
         await self.rebuild(node, max_term, info)
 
     async def rebuild(self, node: int, max_term: int, info: dict[str, Any]) -> None:
-        """Wipe ``node`` (stopped, a minority of one) and restart it empty, once
-        safe; return once it holds the log again (or after a bounded wait), so
-        the fault's window covers the whole rebuild."""
-        others = [v for v in self.c.voters if v != node]
-        # Everything committed before the kill is at or below every commit
-        # index reported now; entries committed later never counted the
-        # damaged node, and a majority of the others holds them.
-        floor: int | None = None
-        # A leader elected while the node is down, after it stopped: its term
-        # is above every term the node saw (so it cannot vote twice in one),
-        # and it never heard the node acknowledge anything. A leader that did
-        # (elected before the kill) keeps the node's old match index; the
-        # core never probes below it, so an emptied node would be sent
-        # entries after its old match, refuse each one, and stay empty until
-        # the next leader change (see docs/design.md, "Rebuilding a replica").
-        fresh_term: int | None = None
-        end = time.monotonic() + 60
-        while time.monotonic() < end:
-            st = await self.c.statuses()
-            if floor is None and st:
-                floor = max(int(s.get("commit", 0)) for s in st.values())
-            lead = next((i for i, s in st.items() if s.get("role") == "leader"), None)
-            if lead is None or floor is None:
-                await asyncio.sleep(0.3)
-                continue
-            term = int(st[lead].get("term", 0))
-            if fresh_term is None:
-                fresh_term = max([max_term, *(int(s.get("term", 0)) for s in st.values())])
-            if term <= fresh_term:
-                to = self.rng.choice([o for o in others if o != lead])
-                await self.c.transfer_leadership(lead, to)
-                await asyncio.sleep(0.5)
-                continue
-            if all(o in st and int(st[o].get("commit", 0)) >= floor for o in others):
-                info["rebuild_commit_floor"] = floor
-                info["rebuild_term"] = term
-                break
+        """Wipe ``node`` and restart it empty once safe (see :func:`rebuild_replica`)."""
+        await rebuild_replica(self.c, node, max_term, info, self.rng, self.log)
+        if info.get("rebuilt"):
+            self.corrupted.discard(node)
+
+
+async def rebuild_replica(
+    c: Cluster,
+    node: int,
+    max_term: int,
+    info: dict[str, Any],
+    rng: random.Random,
+    log: Callable[[str], None],
+) -> None:
+    """Wipe ``node`` (stopped, a minority of one: damaged, or diverged after a
+    power loss in async mode) and restart it empty, once
+    safe; return once it holds the log again (or after a bounded wait), so
+    the fault's window covers the whole rebuild."""
+    others = [v for v in c.voters if v != node]
+    # Everything committed before the kill is at or below every commit
+    # index reported now; entries committed later never counted the
+    # damaged node, and a majority of the others holds them.
+    floor: int | None = None
+    # A leader elected while the node is down, after it stopped: its term
+    # is above every term the node saw (so it cannot vote twice in one),
+    # and it never heard the node acknowledge anything. A leader that did
+    # (elected before the kill) keeps the node's old match index; the
+    # core never probes below it, so an emptied node would be sent
+    # entries after its old match, refuse each one, and stay empty until
+    # the next leader change (see docs/design.md, "Rebuilding a replica").
+    fresh_term: int | None = None
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        st = await c.statuses()
+        if floor is None and st:
+            floor = max(int(s.get("commit", 0)) for s in st.values())
+        lead = next((i for i, s in st.items() if s.get("role") == "leader"), None)
+        if lead is None or floor is None:
             await asyncio.sleep(0.3)
-        else:
-            info["rebuilt"] = False
-            self.log(f"node {node}: could not make a rebuild safe in 60 s; leaving it down")
-            return
-        self.c.wipe(node)
-        self.c.start(node)
-        self.corrupted.discard(node)
-        info["rebuilt"] = True
-        # The heal ends when the rebuilt replica holds everything committed
-        # before the damage: its catch-up (the leader reads and sends it the
-        # whole log) is part of this fault, not of the quiet time after it.
-        t0 = time.monotonic()
-        caught_up = False
-        while time.monotonic() - t0 < 30 and self.c.alive(node):
-            s = await self.c.status(node)
-            if s is not None and int(s.get("applied", 0)) >= (floor or 0):
-                caught_up = True
-                break
-            await asyncio.sleep(0.2)
-        info["caught_up"] = caught_up
-        info["catch_up_s"] = round(time.monotonic() - t0, 2)
-        if not caught_up:
-            self.log(f"node {node}: rebuilt, but not caught up after {info['catch_up_s']} s")
+            continue
+        term = int(st[lead].get("term", 0))
+        if fresh_term is None:
+            fresh_term = max([max_term, *(int(s.get("term", 0)) for s in st.values())])
+        if term <= fresh_term:
+            to = rng.choice([o for o in others if o != lead])
+            await c.transfer_leadership(lead, to)
+            await asyncio.sleep(0.5)
+            continue
+        if all(o in st and int(st[o].get("commit", 0)) >= floor for o in others):
+            info["rebuild_commit_floor"] = floor
+            info["rebuild_term"] = term
+            break
+        await asyncio.sleep(0.3)
+    else:
+        info["rebuilt"] = False
+        log(f"node {node}: could not make a rebuild safe in 60 s; leaving it down")
+        return
+    c.wipe(node)
+    c.start(node)
+    info["rebuilt"] = True
+    # The heal ends when the rebuilt replica holds everything committed
+    # before the damage: its catch-up (the leader reads and sends it the
+    # whole log) is part of this fault, not of the quiet time after it.
+    t0 = time.monotonic()
+    caught_up = False
+    while time.monotonic() - t0 < 30 and c.alive(node):
+        s = await c.status(node)
+        if s is not None and int(s.get("applied", 0)) >= (floor or 0):
+            caught_up = True
+            break
+        await asyncio.sleep(0.2)
+    info["caught_up"] = caught_up
+    info["catch_up_s"] = round(time.monotonic() - t0, 2)
+    if not caught_up:
+        log(f"node {node}: rebuilt, but not caught up after {info['catch_up_s']} s")
 
 
 def _brief(info: dict[str, Any]) -> str:

@@ -96,8 +96,9 @@ async def _status(c: Cluster, node: int) -> dict[str, Any]:
 
 
 @needs_lazyfs
+@pytest.mark.parametrize("planted", [False, True], ids=["fixed", "ack_below_commit"])
 async def test_async_majority_power_loss_then_leader_kill_converges(
-    tmp_path: Path, machine: None
+    tmp_path: Path, machine: None, planted: bool
 ) -> None:
     """The divergence of issue 20, step by step, then convergence.
 
@@ -110,7 +111,11 @@ async def test_async_majority_power_loss_then_leader_kill_converges(
     stop (exit 2, REPLICA_DIVERGED) and be rebuilt from the leader; then the
     leader is killed. What must hold: every replica serves the same
     messages, and every write acknowledged after the power loss (C, D) is
-    there. B, the unsynced tail, is lost: the test reports how much."""
+    there. B, the unsynced tail, is lost: the test reports how much.
+
+    With the planted bug ``ack_below_commit`` (the rule before the fix) the
+    same steps must end with replicas that diverge: the survivor never
+    stops, and serves B where the others serve C."""
     rng = random.Random(20)
     c = Cluster(
         tmp_path / "cluster",
@@ -118,6 +123,9 @@ async def test_async_majority_power_loss_then_leader_kill_converges(
         netns=False,
         lazyfs=True,
         node_settings={"flush": "async", "flush_interval_ms": 600_000},
+        node_env={"DLEDGER_ENABLE_FAULTS": "1", "DLEDGER_FAULTS": "ack_below_commit"}
+        if planted
+        else {},
     )
     c.write_cluster_file()
     logs: list[str] = []
@@ -158,6 +166,16 @@ async def test_async_majority_power_loss_then_leader_kill_converges(
             acked_c = await _produce(s, c, [f"c{i}" for i in range(30)], among=followers)
             # The survivor comes back holding B committed where the leader has C.
             c.start(survivor)
+            if planted:
+
+                async def diverged() -> dict[str, Any] | None:
+                    got = await replicas.compare(c, TOPIC, 1, timeout_s=2)
+                    return got if got["divergent_offsets"] > 0 else None
+
+                res = await _until(diverged, 40, "the replicas to diverge (planted bug)")
+                print(f"planted ack_below_commit: {res['divergent_offsets']} divergent offsets")
+                assert c.alive(survivor), "the planted bug hides the conflict: no exit"
+                return
             await _until(
                 lambda: _exited(c, survivor), 30, "the diverged replica to stop by itself"
             )

@@ -176,9 +176,7 @@ async def test_async_majority_power_loss_then_leader_kill_converges(
                 print(f"planted ack_below_commit: {res['divergent_offsets']} divergent offsets")
                 assert c.alive(survivor), "the planted bug hides the conflict: no exit"
                 return
-            await _until(
-                lambda: _exited(c, survivor), 30, "the diverged replica to stop by itself"
-            )
+            await _until(lambda: _exited(c, survivor), 30, "the diverged replica to stop by itself")
             proc = c.members[survivor].proc
             assert proc is not None and proc.returncode == 2, proc and proc.returncode
             assert "REPLICA_DIVERGED" in c.log_tail(survivor, 40) or "diverged" in c.log_tail(

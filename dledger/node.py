@@ -106,6 +106,7 @@ from dledger.errors import (
     NotLeader,
     Overloaded,
     ProposalDropped,
+    StorageFailed,
     TransferInProgress,
 )
 from dledger.metrics import Histogram
@@ -808,7 +809,7 @@ class Node:
             logger.critical(
                 "node %d: stopping on %s: %s",
                 self.cfg.node_id,
-                type(exc).__name__,
+                type(exc).__name__ if not isinstance(exc, StorageFailed) else "DISK_FAILED",
                 exc,
                 exc_info=not isinstance(exc, DLedgerError),
             )

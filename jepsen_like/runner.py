@@ -34,7 +34,7 @@ from typing import Any
 import orjson
 
 from jepsen_like import lazyfs, net, replicas
-from jepsen_like.checkers import check_history, combine
+from jepsen_like.checkers import check_history, combine, tail
 from jepsen_like.checkers.recovery import RecoveryConfig
 from jepsen_like.control import Cluster, RunLock, find_libfaketime, kill_stale, unmount_stale
 from jepsen_like.history import Writer, read_history
@@ -297,6 +297,10 @@ class Runner:
                 else:
                     kind, shape = kinds[k % len(kinds)], None
                     k += 1
+                # A replica that stopped during the quiet time (REPLICA_DIVERGED
+                # once the leader reached it, after a power loss) is rebuilt
+                # before the next fault can take the cluster's last quorum.
+                await self._note_exits(c, nem)
                 await nem.start(kind, shape)
                 await self._sleep_until(rng.uniform(*cfg.fault_s), end)
                 await nem.heal()
@@ -354,11 +358,12 @@ class Runner:
                 await nem.rebuild(node, term, info)
                 nem.events.append({"kind": "corrupt-late", "targets": [node], **info})
                 continue
-            if rec["exit_code"] == 2 and "REPLICA_DIVERGED" in c.log_tail(node, 60):
+            tail = c.log_tail(node, 60)
+            if rec["exit_code"] == 2 and ("ReplicaDiverged" in tail or "REPLICA_DIVERGED" in tail):
                 # The replica found that its committed log contradicts the
                 # leader's (possible after a majority power loss in async
                 # mode) and stopped, as it must: rebuild it from the leader.
-                said = [x for x in c.log_tail(node, 60).splitlines() if "diverged" in x]
+                said = [x for x in tail.splitlines() if "diverged" in x]
                 self.log(f"node {node} stopped: REPLICA_DIVERGED; rebuilding it from the leader")
                 st = await c.statuses()
                 term = max((int(s.get("term", 0)) for s in st.values()), default=0)
@@ -421,6 +426,12 @@ class Runner:
         }
         if self.replicas_result is not None:
             results["checkers"]["replicas"] = self.replicas_result
+        if cfg.flush == "async":
+            # What a power loss of a majority took: only the unsynced tail.
+            interval_ms = int(cfg.node_settings.get("flush_interval_ms", 200))
+            results["checkers"]["tail"] = tail.check(
+                history, voters=cfg.nodes, tail_s=max(2.0, 10 * interval_ms / 1000)
+            )
         results["verdict"] = combine([r["verdict"] for r in results["checkers"].values()])
         results["run"] = {
             "nodes": cfg.nodes,

@@ -138,6 +138,12 @@ def reasons(results: dict[str, Any], max_per: int = 3) -> dict[str, list[str]]:
                         f"node {d.get('node')} stopped with REPLICA_DIVERGED in sync mode, "
                         "where no acknowledged write may be lost"
                     )
+        elif name == "tail":
+            for ex in r.get("outside_examples", [])[:max_per]:
+                lines.append(
+                    f"{ex['key']}: acknowledged {ex['value']!r} at offset {ex['offset']} was "
+                    "lost, and no power loss of a majority followed it within the tail"
+                )
         elif name == "replicas":
             for ex in r.get("examples", [])[:max_per]:
                 held = "; ".join(f"{v!r} on nodes {ns}" for v, ns in ex["values"].items())
@@ -175,6 +181,13 @@ def detail(name: str, r: dict[str, Any]) -> str:
         if r.get("diverged_rebuilt"):
             out += f", {len(r['diverged_rebuilt'])} diverged replica(s) rebuilt"
         return out
+    if name == "tail":
+        return (
+            f"{r.get('lost_in_tail', 0)} of {r.get('acknowledged', 0)} acknowledged writes lost "
+            f"in the unsynced tail of {r.get('majority_power_losses', 0)} majority power "
+            f"loss(es) (oldest {r.get('max_ack_age_ms')} ms before it), "
+            f"{r.get('lost_outside_tail', 0)} outside it"
+        )
     if name == "replicas":
         per = r.get("messages_per_node", {})
         return (

@@ -487,7 +487,7 @@ class Nemesis:
         m.expected_exit = True
         tail = self.c.log_tail(node, 30)
         said = [x for x in tail.splitlines() if "DISK_FAILED" in x]
-        info["said"] = said[-1][-400:] if said else tail[-400:]
+        info["said"] = said[-1][said[-1].find("DISK_FAILED") :][:600] if said else tail[-400:]
         if rc != 3 or not said:
             self.disk_warnings.append(
                 {

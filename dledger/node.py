@@ -922,11 +922,22 @@ class Node:
             self._work("persist", len(rd.entries))
             self._pass_persisted += len(rd.entries)
             st.append(rd.entries)
+        # Async mode fsyncs only once per interval, but a vote or a new term
+        # is fsynced before anything that depends on it leaves: a node that
+        # forgot its vote after a power loss could vote twice in one term,
+        # two leaders could then write different entries at the same index
+        # and term, and no check of terms could ever see that divergence.
+        vote_changed = False
         if rd.hard_state is not None:
+            prev = st.hard_state()
+            vote_changed = (prev.term, prev.vote) != (rd.hard_state.term, rd.hard_state.vote)
             st.save_hard_state(rd.hard_state)
         if rd.must_sync:
             t = self._clock()
-            await self.env.offload(self._sync_blocking, st)
+            if vote_changed and self.cfg.flush == "async":
+                await self.env.offload(self._sync_durably, st)
+            else:
+                await self.env.offload(self._sync_blocking, st)
             dt = self._clock() - t
             self._sync_s_total += dt
             self._sync_s_max = max(self._sync_s_max, dt)
@@ -1058,6 +1069,10 @@ class Node:
     def _sync_blocking(self, st: NodeStorage) -> None:
         st.sync()
         st.maybe_flush(self._clock())  # async mode: fsync once per interval
+
+    def _sync_durably(self, st: NodeStorage) -> None:
+        st.sync()
+        st.flush()  # async mode: now, whatever the interval
 
     async def _maybe_flush(self) -> None:
         st = self._storage

@@ -212,6 +212,14 @@ class SimStorage(MemoryStorage):
         self.flushes += 1
         return True
 
+    def flush(self) -> None:
+        """Async mode: make every committed batch durable now."""
+        if self.flush_mode != "async" or self._committed is None:
+            return
+        self._durable = self._committed
+        self._committed = None
+        self.flushes += 1
+
     def close(self) -> None:
         return None
 

@@ -221,3 +221,48 @@ async def _applied_at_least(c: Cluster, node: int, index: int) -> bool:
 
 async def _exited(c: Cluster, node: int) -> bool:
     return not c.alive(node)
+
+
+@needs_lazyfs
+async def test_async_mode_keeps_votes_and_terms_through_a_power_loss(
+    tmp_path: Path, machine: None
+) -> None:
+    """flush = "async" fsyncs a new term or vote before anything depending on
+    it leaves, whatever the interval: a node that forgot its vote could vote
+    twice in a term, and two leaders of one term could write different
+    entries at one index, a divergence no comparison of terms can see."""
+    c = Cluster(
+        tmp_path / "cluster",
+        voters=3,
+        netns=False,
+        lazyfs=True,
+        node_settings={"flush": "async", "flush_interval_ms": 600_000},
+    )
+    c.write_cluster_file()
+    try:
+        c.start_all()
+        assert await c.wait_ready(timeout_s=60)
+        lead = await _leader(c)
+        before = {i: await _status(c, i) for i in c.ids}
+        term = int(before[lead]["term"])
+        for i in c.ids:
+            c.kill(i)
+        for i in c.ids:
+            c.power_loss(i, tear=False, seed=i)
+        c.start_all()
+        for i in c.ids:
+            await _until(lambda i=i: c.status(i), 30, f"node {i} back")
+        opened = {
+            i: [x for x in c.log_tail(i, 200).splitlines() if "opened" in x][-1] for i in c.ids
+        }
+        for i in c.ids:
+            # "opened ... (entries a..b, term T, vote V, ...)": the term and vote
+            # each node had when the power went are still there.
+            t = int(opened[i].split("term ")[1].split(",")[0])
+            v = int(opened[i].split("vote ")[1].split(",")[0])
+            assert t >= int(before[i]["term"]) and t >= 1, opened[i]
+            if int(before[i]["term"]) == term:
+                assert v == int(before[i]["vote"]), (opened[i], before[i]["vote"])
+    finally:
+        c.stop_all()
+        await c.close()

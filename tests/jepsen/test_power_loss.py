@@ -242,9 +242,22 @@ async def test_async_mode_keeps_votes_and_terms_through_a_power_loss(
     try:
         c.start_all()
         assert await c.wait_ready(timeout_s=60)
-        lead = await _leader(c)
+        first = await _leader(c)
+        # The first sync after a start is flushed at once; a leadership
+        # transfer later makes a new term and new votes inside the interval.
+        to = next(i for i in c.ids if i != first)
+
+        async def moved() -> bool:
+            if await c.leader() == to:
+                return True
+            await c.transfer_leadership(first, to)
+            return await c.leader() == to
+
+        await _until(moved, 30, f"leadership to move from {first} to {to}")
+        lead = await _leader(c, among=[to])
         before = {i: await _status(c, i) for i in c.ids}
         term = int(before[lead]["term"])
+        assert term > 1, before[lead]
         for i in c.ids:
             c.kill(i)
         for i in c.ids:

@@ -24,6 +24,10 @@ Switches (each breaks exactly one promise; the checker that must notice it):
     ``DLEDGER_FAULT_LOST_TAIL`` (default 64) entries of its log, as after a
     power failure (a SIGKILL alone keeps the page cache, so the loss is
     simulated at open). Killing a majority then loses acknowledged writes.
+    On the harness's power-loss nemesis (``jepsen_like.lazyfs``) the
+    filesystem drops the unsynced writes itself: with
+    ``DLEDGER_FAULT_LOST_TAIL=0`` (no simulated loss) a power loss of a
+    majority is what loses them (``tests/jepsen/test_power_nemesis.py``).
 ``ack_below_commit``
     The old rule of issue 20: a follower answers an AppendEntries below its
     commit index with that commit index, unchecked, instead of comparing

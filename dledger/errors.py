@@ -64,6 +64,18 @@ class ReplicaDiverged(StorageCorrupted):
     code = "REPLICA_DIVERGED"
 
 
+class StorageFailed(DLedgerError):
+    """The disk refused a write or an fsync (EIO, ENOSPC, ...): this node
+    cannot make its log durable. The storage refuses every later write and
+    fsync (it never retries a failed fsync: after one, Linux may have
+    dropped the data and report the next fsync as a success, PostgreSQL's
+    "fsyncgate"); the node stops without acknowledging anything of the
+    failed batch (exit code 3). Restart it once the disk is healthy: it
+    recovers from what it had made durable."""
+
+    code = "DISK_FAILED"
+
+
 class CodecError(DLedgerError):
     """Bytes that do not decode: wrong magic, version, length or CRC."""
 

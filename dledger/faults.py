@@ -24,6 +24,17 @@ Switches (each breaks exactly one promise; the checker that must notice it):
     ``DLEDGER_FAULT_LOST_TAIL`` (default 64) entries of its log, as after a
     power failure (a SIGKILL alone keeps the page cache, so the loss is
     simulated at open). Killing a majority then loses acknowledged writes.
+    On the harness's power-loss nemesis (``jepsen_like.lazyfs``) the
+    filesystem drops the unsynced writes itself: with
+    ``DLEDGER_FAULT_LOST_TAIL=0`` (no simulated loss) a power loss of a
+    majority is what loses them (``tests/jepsen/test_power_nemesis.py``).
+``ack_below_commit``
+    The old rule of issue 20: a follower answers an AppendEntries below its
+    commit index with that commit index, unchecked, instead of comparing
+    what it committed with the leader's log. After a majority power loss in
+    ``flush = "async"`` mode a survivor then keeps serving a history the
+    leader does not have: the ``replicas`` checker reports divergent
+    offsets (``tests/jepsen/test_power_loss.py``).
 ``follower_reads_uncommitted``
     A follower treats every entry it appended as committed (its commit
     index follows its log, not the leader's), so it applies and serves
@@ -50,10 +61,16 @@ ACK_BEFORE_COMMIT = "ack_before_commit"
 LIN_READ_NO_LEASE = "lin_read_no_lease"
 SKIP_FSYNC = "skip_fsync"
 FOLLOWER_READS_UNCOMMITTED = "follower_reads_uncommitted"
-KNOWN = frozenset({ACK_BEFORE_COMMIT, LIN_READ_NO_LEASE, SKIP_FSYNC, FOLLOWER_READS_UNCOMMITTED})
+ACK_BELOW_COMMIT = "ack_below_commit"
+KNOWN = frozenset(
+    {ACK_BEFORE_COMMIT, LIN_READ_NO_LEASE, SKIP_FSYNC, FOLLOWER_READS_UNCOMMITTED, ACK_BELOW_COMMIT}
+)
 
-# The core's own switch (dledger.core.raft) that follower_reads_uncommitted maps to.
-_CORE = {FOLLOWER_READS_UNCOMMITTED: "follower_commits_ahead"}
+# The core's own switches (dledger.core.raft) that some of these map to.
+_CORE = {
+    FOLLOWER_READS_UNCOMMITTED: "follower_commits_ahead",
+    ACK_BELOW_COMMIT: "ack_below_commit",
+}
 
 logger = logging.getLogger(__name__)
 

@@ -106,6 +106,7 @@ from dledger.errors import (
     NotLeader,
     Overloaded,
     ProposalDropped,
+    StorageFailed,
     TransferInProgress,
 )
 from dledger.metrics import Histogram
@@ -823,7 +824,7 @@ class Node:
             logger.critical(
                 "node %d: stopping on %s: %s",
                 self.cfg.node_id,
-                type(exc).__name__,
+                type(exc).__name__ if not isinstance(exc, StorageFailed) else "DISK_FAILED",
                 exc,
                 exc_info=not isinstance(exc, DLedgerError),
             )
@@ -939,6 +940,9 @@ class Node:
             self._work("persist", len(rd.entries))
             self._pass_persisted += len(rd.entries)
             st.append(rd.entries)
+        # In async mode a new term or vote is still fsynced at once, before
+        # anything that depends on it leaves: the storage's sync() does it
+        # (LmdbStorage, SimStorage), so a node never votes twice in a term.
         if rd.hard_state is not None:
             st.save_hard_state(rd.hard_state)
         if rd.must_sync:

@@ -20,7 +20,10 @@ file) with ``--token`` (default ``$DLEDGER_TOKEN``).
 Exit codes: 0 ok; 1 failure (a port in use, no leader in time, ...);
 2 operator action needed: a bad cluster file or command line, or a damaged
 data directory (``StorageCorrupted``: the message names the directory and
-the log index; rebuild that replica from a healthy peer).
+the log index; rebuild that replica from a healthy peer; also
+``REPLICA_DIVERGED``); 3 the disk failed a write or an fsync (``DISK_FAILED``:
+the node stopped without acknowledging the failed writes; fix the disk and
+restart it).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from controller.node_sm import ControllerStateMachine
 from dledger.admin_http import AdminServer
 from dledger.cluster import DEFAULT_DIR, LocalCluster
 from dledger.config import NodeConfig, load_cluster_file
-from dledger.errors import ConfigError, StorageCorrupted
+from dledger.errors import ConfigError, StorageCorrupted, StorageFailed
 from dledger.http_auth import ROUTE_ROLES as APP_ROUTE_ROLES
 from dledger.node import Node
 from dledger_app import multi_cli, proxy
@@ -56,6 +59,7 @@ from http_api.server import NodeServer, make_node_app, make_state_machine
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_OPERATOR = 2  # bad configuration or damaged data: a human must act
+EXIT_DISK = 3  # the disk refused a write or an fsync: fix it, then restart
 
 logger = logging.getLogger("dledger")
 
@@ -82,6 +86,9 @@ async def run_node(cfg: NodeConfig, group: GroupFile | None = None) -> int:
         node = Node(cfg, make_state_machine(cfg))
     try:
         await node.start()
+    except StorageFailed as exc:
+        logger.critical("refusing to start: DISK_FAILED: %s", exc)
+        return EXIT_DISK
     except (StorageCorrupted, ConfigError) as exc:
         logger.critical("refusing to start: %s", exc)
         return EXIT_OPERATOR
@@ -147,7 +154,12 @@ async def run_node(cfg: NodeConfig, group: GroupFile | None = None) -> int:
     await server.stop()
     if node.fatal is not None:
         # The node logged the cause when its loop stopped.
-        code = EXIT_OPERATOR if isinstance(node.fatal, StorageCorrupted) else EXIT_FAILURE
+        if isinstance(node.fatal, StorageFailed):
+            code = EXIT_DISK
+        elif isinstance(node.fatal, StorageCorrupted):
+            code = EXIT_OPERATOR
+        else:
+            code = EXIT_FAILURE
         logger.info("exiting with code %d", code)
         return code
     return EXIT_OK

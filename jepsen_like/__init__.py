@@ -7,7 +7,13 @@ Offline core (no I/O beyond reading and writing history files):
   :class:`~jepsen_like.history.Reader`;
 * :mod:`jepsen_like.checkers`: linearizability, Kafka-workload anomalies and
   recovery checkers; ``python -m jepsen_like.checkers HISTORY.jsonl`` prints
-  a JSON verdict.
+  a JSON verdict (:mod:`jepsen_like.checkers.tail`: what async mode lost
+  after a power loss of a majority).
+
+Against a live cluster: :mod:`jepsen_like.replicas` (every replica serves
+the same messages at the same offsets) and :mod:`jepsen_like.lazyfs`, the
+FUSE filesystem under each node's data directory for the power-loss and
+disk-error nemeses (a separate daemon process per node).
 
 The harness talks to nodes only over HTTP and OS signals and never imports
 server internals (see the design map in ``../shared/DESIGN.md``).

@@ -1,7 +1,8 @@
 """``python -m jepsen_like run ...``: one harness run; ``check H.jsonl``: the checkers.
 
     python -m jepsen_like run --nodes 3|5 [--learners N]
-        --nemesis all|kill,pause,partition,clock,corrupt|none
+        --nemesis all|kill,pause,partition,clock,corrupt,power,disk|none
+        [--flush sync|async]
         --time-limit S --out DIR [--seed N] [--schedule kill:all,pause:leader,...]
         [--clients-per-queue N] [--client-timeout MIN_S MAX_S]
     python -m jepsen_like check HISTORY.jsonl [--json]
@@ -74,7 +75,16 @@ def main(argv: list[str] | None = None) -> int:
         help="faults to inject, in turn: 'all', 'none', or a comma-separated list of "
         f"{', '.join(ALL_KINDS)} (kill: SIGKILL nodes; pause: SIGSTOP them; partition: "
         "iptables rules between namespaces; clock: restart a node with a skewed or "
-        "strobing clock; corrupt: damage a stopped node's data file, rebuild it)",
+        "strobing clock; corrupt: damage a stopped node's data file, rebuild it; power: "
+        "SIGKILL nodes and drop what they never fsynced (lazyfs, FUSE); disk: fail one "
+        "node's fsyncs or writes with EIO/ENOSPC (lazyfs))",
+    )
+    r.add_argument(
+        "--flush",
+        choices=["sync", "async"],
+        default="sync",
+        help="the nodes' flush mode: async may lose the unsynced tail after a power loss "
+        "of a majority (the replicas checker still demands zero divergence)",
     )
     r.add_argument(
         "--time-limit", type=float, default=60.0, metavar="S", help="seconds of load and faults"
@@ -97,9 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar=("MIN_S", "MAX_S"),
         help="per-op client deadline drawn from this range (ops cut off end info)",
     )
-    r.add_argument(
-        "--producers", type=int, default=4, help="producer clients (legacy mix only)"
-    )
+    r.add_argument("--producers", type=int, default=4, help="producer clients (legacy mix only)")
     r.add_argument("--readers", type=int, default=2, help="clients reading by offset (legacy mix)")
     r.add_argument("--pollers", type=int, default=3, help="consumer-group pollers, one per queue")
     r.add_argument(
@@ -148,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KIND=S1,S2",
         help="restrict a nemesis to these shapes, e.g. kill=majority,all partition=halves "
         "(kill/pause: leader, one, minority, majority, all; partition: isolate-leader, "
-        "isolate-one, halves, bridge, majorities-ring, leader-minority; clock: skew, strobe)",
+        "isolate-one, halves, bridge, majorities-ring, leader-minority; clock: skew, strobe; "
+        "power: one, minority, majority, all, each also -torn; disk: fsync-eio, fsync-enospc, "
+        "write-eio, write-enospc)",
     )
     c = sub.add_parser(
         "check",
@@ -191,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         clients_per_queue=args.clients_per_queue,
         client_timeout_s=tuple(args.client_timeout),
         schedule=args.schedule,
+        flush=args.flush,
     )
     try:
         return Runner(cfg).run()

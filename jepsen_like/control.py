@@ -16,6 +16,14 @@ time, so a later run can kill, by PID, what a crashed run left behind
 
 A node may be started with extra environment (libfaketime for the clock
 nemesis, fault switches for planted-bug tests).
+
+With ``lazyfs=True`` every member's data directory is a mount of
+:mod:`jepsen_like.lazyfs` (one daemon per member, started by
+:meth:`Cluster.mount_all` before any node and stopped after every node by
+:meth:`Cluster.stop_all`), over a backing directory ``node-<ID>.disk``: the
+power-loss and disk-error nemeses drive it through its control socket.
+Daemons are recorded in the PID file like nodes, and
+:func:`unmount_stale` lazily unmounts what a crashed run left mounted.
 """
 
 from __future__ import annotations
@@ -172,6 +180,43 @@ def kill_stale() -> list[int]:
     return killed
 
 
+def unmount_stale() -> list[str]:
+    """Lazily unmount every lazyfs mount left by a crashed run (recognised by
+    its filesystem name, never by a path pattern); returns the mount points."""
+    from jepsen_like.lazyfs import FSNAME
+
+    out: list[str] = []
+    try:
+        lines = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] == FSNAME:
+            point = parts[1].replace("\\040", " ")
+            subprocess.run(["umount", "-l", point], capture_output=True, check=False)
+            out.append(point)
+    return out
+
+
+def lazyfs_call(sock: Path, timeout_s: float = 10.0, **req: Any) -> dict[str, Any]:
+    """One request to a lazyfs daemon's control socket (JSON lines)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        s.connect(str(sock))
+        s.sendall(json.dumps(req).encode() + b"\n")
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+    reply = json.loads(buf or b"{}")
+    if not isinstance(reply, dict) or not reply.get("ok"):
+        raise RuntimeError(f"lazyfs {sock.name}: {req} failed: {reply}")
+    return reply
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -191,6 +236,7 @@ class Member:
     env: dict[str, str] = field(default_factory=dict)
     paused: bool = False
     expected_exit: bool = False
+    fs_proc: subprocess.Popen[bytes] | None = None
     exits: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -210,9 +256,11 @@ class Cluster:
         netns: bool,
         node_settings: dict[str, int | str] | None = None,
         node_env: dict[str, str] | None = None,
+        lazyfs: bool = False,
     ) -> None:
         self.root = root
         self.netns = netns
+        self.lazyfs = lazyfs
         self.members: dict[int, Member] = {}
         self.node_env = dict(node_env or {})
         self.node_settings = dict(node_settings or {})
@@ -307,8 +355,94 @@ class Cluster:
         _save_pids(pids)
 
     def start_all(self) -> None:
+        if self.lazyfs:
+            self.mount_all()
         for i in self.ids:
             self.start(i)
+
+    # -- lazyfs (power loss, disk errors) ------------------------------------
+    def fs_socket(self, node_id: int) -> Path:
+        return self.root / f"lazyfs-{node_id}.sock"
+
+    def mount_all(self, timeout_s: float = 20.0) -> None:
+        """Start one lazyfs daemon per member (if not running) and wait until
+        every data directory is mounted and answers on its control socket."""
+        repo = str(Path(__file__).resolve().parent.parent)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = repo + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        for m in self.members.values():
+            if m.fs_proc is not None and m.fs_proc.poll() is None:
+                continue
+            backing = self.root / f"node-{m.id}.disk"
+            m.data_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.root / f"lazyfs-{m.id}.log", "ab") as log:
+                m.fs_proc = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "jepsen_like.lazyfs",
+                        "--backing",
+                        str(backing),
+                        "--mount",
+                        str(m.data_dir),
+                        "--control",
+                        str(self.fs_socket(m.id)),
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    env=env,
+                    cwd=repo,
+                )
+            pids = _load_pids()
+            pids[f"fs-{m.id}"] = {"pid": m.fs_proc.pid, "start": _proc_start(m.fs_proc.pid) or 0}
+            _save_pids(pids)
+        deadline = time.monotonic() + timeout_s
+        for m in self.members.values():
+            while True:
+                ok = False
+                if os.path.ismount(m.data_dir):
+                    with contextlib.suppress(OSError, RuntimeError, ValueError):
+                        lazyfs_call(self.fs_socket(m.id), timeout_s=2, cmd="ping")
+                        ok = True
+                if ok:
+                    break
+                assert m.fs_proc is not None
+                if m.fs_proc.poll() is not None or time.monotonic() > deadline:
+                    log_text = (self.root / f"lazyfs-{m.id}.log").read_text(errors="replace")
+                    raise RuntimeError(f"lazyfs for node {m.id} did not mount: {log_text[-800:]}")
+                time.sleep(0.1)
+
+    def unmount_all(self, timeout_s: float = 10.0) -> None:
+        for m in self.members.values():
+            p = m.fs_proc
+            if p is None:
+                continue
+            if p.poll() is None:
+                with contextlib.suppress(OSError):
+                    p.send_signal(signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=timeout_s)
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            if os.path.ismount(m.data_dir):
+                subprocess.run(["umount", "-l", str(m.data_dir)], capture_output=True, check=False)
+            m.fs_proc = None
+
+    def fs(self, node_id: int, **req: Any) -> dict[str, Any]:
+        """A lazyfs command for ``node_id``'s data directory (see jepsen_like.lazyfs)."""
+        assert self.lazyfs, "the data directories are not on lazyfs"
+        return lazyfs_call(self.fs_socket(node_id), **req)
+
+    def power_loss(self, node_id: int, *, tear: bool, seed: int) -> dict[str, Any]:
+        """Drop what ``node_id`` never fsynced (kill it first: a power loss
+        takes the process with it)."""
+        assert not self.alive(node_id), "power loss of a running node: kill it first"
+        out = self.fs(node_id, cmd="drop", tear=tear, seed=seed)
+        out.pop("ok", None)
+        return out
 
     def alive(self, node_id: int) -> bool:
         p = self.members[node_id].proc
@@ -354,6 +488,8 @@ class Cluster:
                 m.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             if m.proc.poll() is None:
                 self.kill(i)
+        if self.lazyfs:
+            self.unmount_all()
         _save_pids({})
 
     def check_exits(self) -> list[dict[str, Any]]:
@@ -378,7 +514,16 @@ class Cluster:
         return "\n".join(text.splitlines()[-lines:])
 
     def wipe(self, node_id: int) -> None:
-        shutil.rmtree(self.members[node_id].data_dir, ignore_errors=True)
+        d = self.members[node_id].data_dir
+        if self.lazyfs and os.path.ismount(d):
+            # The mount point stays; its contents go (through the filesystem).
+            for child in d.iterdir():
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    child.unlink(missing_ok=True)
+            return
+        shutil.rmtree(d, ignore_errors=True)
 
     # -- corruption ------------------------------------------------------------
     def corrupt(self, node_id: int, rng: random.Random) -> dict[str, Any]:

@@ -88,7 +88,9 @@ SCHEMA_VERSION: Final = 1
 
 OP_TYPES: Final = frozenset({"invoke", "ok", "fail", "info"})
 OP_FS: Final = frozenset({"produce", "read", "poll", "commit_offset", "seek", "final_read"})
-NEMESIS_KINDS: Final = frozenset({"kill", "pause", "partition", "clock", "corrupt"})
+NEMESIS_KINDS: Final = frozenset(
+    {"kill", "pause", "partition", "clock", "corrupt", "power", "disk"}
+)
 CONSISTENCIES: Final = frozenset({"committed", "linearizable"})
 READ_FS: Final = frozenset({"read", "final_read", "poll"})
 

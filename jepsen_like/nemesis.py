@@ -49,6 +49,21 @@ Kinds and shapes (targets are voters unless said otherwise):
   heal, and so the fault's window, ends once the rebuilt node has caught
   up: its catch-up loads the leader and belongs to this fault. Only one
   node is ever corrupted at once.
+* ``power`` (lazyfs: every data directory is a :mod:`jepsen_like.lazyfs`
+  mount): one node, a minority, a majority or all voters lose power: each
+  is SIGKILLed and its filesystem drops every write it had not fsynced;
+  the ``-torn`` shapes also persist, in order, part of the last-written
+  file's pending writes and tear the write in flight at a sector boundary.
+  Healed by restarting them. In ``flush = "sync"`` mode nothing
+  acknowledged may be lost; in ``"async"`` mode a power loss of a majority
+  may lose the unsynced tail, and a survivor whose committed log the new
+  leader contradicts stops with exit 2 (``REPLICA_DIVERGED``): the runner
+  rebuilds it from the leader as for corruption.
+* ``disk`` (lazyfs): one voter's disk fails every fsync, or every write,
+  with EIO or ENOSPC (a failed fsync also loses the file's unsynced writes,
+  as on Linux). The node must stop (exit 3, ``DISK_FAILED``) without
+  acknowledging what it could not make durable; healed by making the disk
+  good again and restarting the node.
 """
 
 from __future__ import annotations
@@ -65,7 +80,20 @@ from jepsen_like import net
 from jepsen_like.control import Cluster
 from jepsen_like.history import Writer
 
-ALL_KINDS = ("kill", "pause", "partition", "clock", "corrupt")
+ALL_KINDS = ("kill", "pause", "partition", "clock", "corrupt", "power", "disk")
+# Kinds that need every data directory on lazyfs.
+LAZYFS_KINDS = ("power", "disk")
+POWER_SHAPES = (
+    "majority",
+    "one-torn",
+    "all",
+    "minority",
+    "majority-torn",
+    "one",
+    "all-torn",
+    "minority-torn",
+)
+DISK_SHAPES = ("fsync-eio", "write-enospc", "fsync-enospc", "write-eio")
 
 # The shapes every default run goes through, in a seeded random order, before
 # the round robin over the kinds: between them they catch each planted bug
@@ -93,6 +121,8 @@ SHAPES: dict[str, tuple[str, ...]] = {
     ),
     "clock": ("skew", "strobe", "step"),
     "corrupt": ("one",),
+    "power": POWER_SHAPES,
+    "disk": DISK_SHAPES,
 }
 
 
@@ -102,6 +132,7 @@ _AIMS_AT_LEADER: dict[str, set[str | None]] = {
     "pause": {"leader"},
     "partition": {"isolate-leader", "leader-minority"},
     "clock": {"step"},
+    "disk": set(DISK_SHAPES),
 }
 
 
@@ -160,6 +191,8 @@ class Nemesis:
         self.shapes = shapes or {}
         # Corrupted nodes not rebuilt since: their damage may still be found later.
         self.corrupted: set[int] = set()
+        # Nodes whose disk failed and that did not stop as promised (exit 3).
+        self.disk_warnings: list[dict[str, Any]] = []
         self.count: dict[str, int] = {}
         self.events: list[dict[str, Any]] = []
         self._heal: Callable[[], Any] | None = None
@@ -291,6 +324,36 @@ class Nemesis:
                 await self._settle_corrupt(targets[0], max_term, info)
 
             self._heal = heal_corrupt
+        elif kind == "power":
+            shape = forced or self._pick(kind, list(POWER_SHAPES), k)
+            base, torn = shape.removesuffix("-torn"), shape.endswith("-torn")
+            targets = self._shape_targets(base, leader)
+            self._record("start", kind, targets, shape=shape)
+            dropped: dict[str, Any] = {}
+            for t in targets:
+                self.c.kill(t)
+            for t in targets:
+                dropped[str(t)] = self.c.power_loss(t, tear=torn, seed=self.rng.randrange(1 << 30))
+            info = {"shape": shape, "torn": torn, "dropped": dropped}
+
+            async def heal_power() -> None:
+                for t in targets:
+                    self.c.start(t)
+
+            self._heal = heal_power
+        elif kind == "disk":
+            shape = forced or self._pick(kind, list(DISK_SHAPES), k)
+            op, _, err = shape.partition("-")
+            # The leader: the node whose acknowledgements matter most.
+            targets = [leader if leader is not None else self.rng.choice(self.c.voters)]
+            self._record("start", kind, targets, shape=shape)
+            self.c.fs(targets[0], cmd="fail", op=op, errno=err.upper())
+            info = {"shape": shape}
+
+            async def heal_disk() -> None:
+                await self._settle_disk(targets[0], info)
+
+            self._heal = heal_disk
         else:
             raise ValueError(f"unknown nemesis kind {kind!r}")
         self._open = (kind, targets, info)
@@ -305,7 +368,9 @@ class Nemesis:
         self._heal = None
         self._open = None
         extra = {
-            k: v for k, v in info.items() if k in ("rebuilt", "refused", "damage", "caught_up")
+            k: v
+            for k, v in info.items()
+            if k in ("rebuilt", "refused", "damage", "caught_up", "torn", "stopped", "exit_code")
         }
         self._record("stop", kind, targets, **extra)
         self.events.append({"kind": kind, "targets": targets, **info})
@@ -404,6 +469,38 @@ class Nemesis:
             k += 1
             self._strobe_file.write_text(offsets[k % len(offsets)] + "\n")
 
+    # -- disk errors -----------------------------------------------------------------------
+    async def _settle_disk(self, node: int, info: dict[str, Any]) -> None:
+        """Heal the disk; the node must have stopped on its own (exit 3,
+        DISK_FAILED) if it tried to write: restart it."""
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and self.c.alive(node):
+            await asyncio.sleep(0.2)  # a write in flight when the window closes
+        self.c.fs(node, cmd="heal")
+        m = self.c.members[node]
+        rc = m.proc.poll() if m.proc is not None else None
+        info["stopped"] = rc is not None
+        info["exit_code"] = rc
+        if rc is None:
+            self.log(f"node {node} kept running through its disk errors (it wrote nothing?)")
+            return
+        m.expected_exit = True
+        tail = self.c.log_tail(node, 30)
+        said = [x for x in tail.splitlines() if "DISK_FAILED" in x]
+        info["said"] = said[-1][said[-1].find("DISK_FAILED") :][:600] if said else tail[-400:]
+        if rc != 3 or not said:
+            self.disk_warnings.append(
+                {
+                    "node": node,
+                    "warning": f"a node whose disk failed exited with code {rc}"
+                    + ("" if said else " without saying DISK_FAILED")
+                    + " (expected 3, DISK_FAILED)",
+                    "log_tail": tail,
+                }
+            )
+        self.log(f"node {node} stopped on its disk errors (exit {rc}); restarting it")
+        self.c.start(node)
+
     # -- corruption ---------------------------------------------------------------------------
     async def _settle_corrupt(self, node: int, max_term: int, info: dict[str, Any]) -> None:
         deadline = time.monotonic() + 4.0
@@ -421,67 +518,81 @@ class Nemesis:
         await self.rebuild(node, max_term, info)
 
     async def rebuild(self, node: int, max_term: int, info: dict[str, Any]) -> None:
-        """Wipe ``node`` (stopped, a minority of one) and restart it empty, once
-        safe; return once it holds the log again (or after a bounded wait), so
-        the fault's window covers the whole rebuild."""
-        others = [v for v in self.c.voters if v != node]
-        # Everything committed before the kill is at or below every commit
-        # index reported now; entries committed later never counted the
-        # damaged node, and a majority of the others holds them.
-        floor: int | None = None
-        # A leader elected while the node is down, after it stopped: its term
-        # is above every term the node saw (so it cannot vote twice in one),
-        # and it never heard the node acknowledge anything. A leader that did
-        # (elected before the kill) keeps the node's old match index; the
-        # core never probes below it, so an emptied node would be sent
-        # entries after its old match, refuse each one, and stay empty until
-        # the next leader change (see docs/design.md, "Rebuilding a replica").
-        fresh_term: int | None = None
-        end = time.monotonic() + 60
-        while time.monotonic() < end:
-            st = await self.c.statuses()
-            if floor is None and st:
-                floor = max(int(s.get("commit", 0)) for s in st.values())
-            lead = next((i for i, s in st.items() if s.get("role") == "leader"), None)
-            if lead is None or floor is None:
-                await asyncio.sleep(0.3)
-                continue
-            term = int(st[lead].get("term", 0))
-            if fresh_term is None:
-                fresh_term = max([max_term, *(int(s.get("term", 0)) for s in st.values())])
-            if term <= fresh_term:
-                to = self.rng.choice([o for o in others if o != lead])
-                await self.c.transfer_leadership(lead, to)
-                await asyncio.sleep(0.5)
-                continue
-            if all(o in st and int(st[o].get("commit", 0)) >= floor for o in others):
-                info["rebuild_commit_floor"] = floor
-                info["rebuild_term"] = term
-                break
+        """Wipe ``node`` and restart it empty once safe (see :func:`rebuild_replica`)."""
+        await rebuild_replica(self.c, node, max_term, info, self.rng, self.log)
+        if info.get("rebuilt"):
+            self.corrupted.discard(node)
+
+
+async def rebuild_replica(
+    c: Cluster,
+    node: int,
+    max_term: int,
+    info: dict[str, Any],
+    rng: random.Random,
+    log: Callable[[str], None],
+) -> None:
+    """Wipe ``node`` (stopped, a minority of one: damaged, or diverged after a
+    power loss in async mode) and restart it empty, once
+    safe; return once it holds the log again (or after a bounded wait), so
+    the fault's window covers the whole rebuild."""
+    others = [v for v in c.voters if v != node]
+    # Everything committed before the kill is at or below every commit
+    # index reported now; entries committed later never counted the
+    # damaged node, and a majority of the others holds them.
+    floor: int | None = None
+    # A leader elected while the node is down, after it stopped: its term
+    # is above every term the node saw (so it cannot vote twice in one),
+    # and it never heard the node acknowledge anything. A leader that did
+    # (elected before the kill) keeps the node's old match index; the
+    # core never probes below it, so an emptied node would be sent
+    # entries after its old match, refuse each one, and stay empty until
+    # the next leader change (see docs/design.md, "Rebuilding a replica").
+    fresh_term: int | None = None
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        st = await c.statuses()
+        if floor is None and st:
+            floor = max(int(s.get("commit", 0)) for s in st.values())
+        lead = next((i for i, s in st.items() if s.get("role") == "leader"), None)
+        if lead is None or floor is None:
             await asyncio.sleep(0.3)
-        else:
-            info["rebuilt"] = False
-            self.log(f"node {node}: could not make a rebuild safe in 60 s; leaving it down")
-            return
-        self.c.wipe(node)
-        self.c.start(node)
-        self.corrupted.discard(node)
-        info["rebuilt"] = True
-        # The heal ends when the rebuilt replica holds everything committed
-        # before the damage: its catch-up (the leader reads and sends it the
-        # whole log) is part of this fault, not of the quiet time after it.
-        t0 = time.monotonic()
-        caught_up = False
-        while time.monotonic() - t0 < 30 and self.c.alive(node):
-            s = await self.c.status(node)
-            if s is not None and int(s.get("applied", 0)) >= (floor or 0):
-                caught_up = True
-                break
-            await asyncio.sleep(0.2)
-        info["caught_up"] = caught_up
-        info["catch_up_s"] = round(time.monotonic() - t0, 2)
-        if not caught_up:
-            self.log(f"node {node}: rebuilt, but not caught up after {info['catch_up_s']} s")
+            continue
+        term = int(st[lead].get("term", 0))
+        if fresh_term is None:
+            fresh_term = max([max_term, *(int(s.get("term", 0)) for s in st.values())])
+        if term <= fresh_term:
+            to = rng.choice([o for o in others if o != lead])
+            await c.transfer_leadership(lead, to)
+            await asyncio.sleep(0.5)
+            continue
+        if all(o in st and int(st[o].get("commit", 0)) >= floor for o in others):
+            info["rebuild_commit_floor"] = floor
+            info["rebuild_term"] = term
+            break
+        await asyncio.sleep(0.3)
+    else:
+        info["rebuilt"] = False
+        log(f"node {node}: could not make a rebuild safe in 60 s; leaving it down")
+        return
+    c.wipe(node)
+    c.start(node)
+    info["rebuilt"] = True
+    # The heal ends when the rebuilt replica holds everything committed
+    # before the damage: its catch-up (the leader reads and sends it the
+    # whole log) is part of this fault, not of the quiet time after it.
+    t0 = time.monotonic()
+    caught_up = False
+    while time.monotonic() - t0 < 30 and c.alive(node):
+        s = await c.status(node)
+        if s is not None and int(s.get("applied", 0)) >= (floor or 0):
+            caught_up = True
+            break
+        await asyncio.sleep(0.2)
+    info["caught_up"] = caught_up
+    info["catch_up_s"] = round(time.monotonic() - t0, 2)
+    if not caught_up:
+        log(f"node {node}: rebuilt, but not caught up after {info['catch_up_s']} s")
 
 
 def _brief(info: dict[str, Any]) -> str:

@@ -30,6 +30,8 @@ _FAULT_COLORS = {
     "partition": "#bcbd22",
     "clock": "#17becf",
     "corrupt": "#e377c2",
+    "power": "#8c564b",
+    "disk": "#7f7f7f",
 }
 _MS = 1_000_000
 

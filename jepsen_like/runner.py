@@ -33,15 +33,21 @@ from typing import Any
 
 import orjson
 
-from jepsen_like import net
-from jepsen_like.checkers import check_history, combine
+from jepsen_like import lazyfs, net, replicas
+from jepsen_like.checkers import check_history, combine, tail
 from jepsen_like.checkers.recovery import RecoveryConfig
-from jepsen_like.control import Cluster, RunLock, find_libfaketime, kill_stale
+from jepsen_like.control import Cluster, RunLock, find_libfaketime, kill_stale, unmount_stale
 from jepsen_like.history import Writer, read_history
-from jepsen_like.nemesis import ALL_KINDS, Nemesis, default_schedule, format_schedule
+from jepsen_like.nemesis import (
+    ALL_KINDS,
+    LAZYFS_KINDS,
+    Nemesis,
+    default_schedule,
+    format_schedule,
+)
 from jepsen_like.report import html_report
 from jepsen_like.summary import render
-from jepsen_like.workload import Http, Workload
+from jepsen_like.workload import TOPIC, Http, Workload
 
 
 @dataclass
@@ -73,6 +79,9 @@ class RunConfig:
     client_timeout_s: tuple[float, float] | None = (0.1, 0.6)
     # Fault schedule: None = nemesis.REQUIRED in a seeded order, then round robin.
     schedule: list[tuple[str, str | None]] | None = None
+    # The nodes' flush mode (issue 20: "async" may lose the unsynced tail
+    # after a power loss of a majority, never diverge).
+    flush: str = "sync"
 
 
 class Runner:
@@ -87,6 +96,10 @@ class Runner:
         self.nem: Nemesis | None = None
         self.lock = RunLock()
         self.warnings: list[dict[str, Any]] = []
+        self.lazyfs = False
+        # Replicas that stopped with REPLICA_DIVERGED and were rebuilt.
+        self.diverged: list[dict[str, Any]] = []
+        self.replicas_result: dict[str, Any] | None = None
 
     def log(self, msg: str) -> None:
         if not self.cfg.quiet:
@@ -102,6 +115,8 @@ class Runner:
             )
         for pid in kill_stale():
             self.log(f"killed stale node process {pid} from an earlier run")
+        for point in unmount_stale():
+            self.log(f"cleanup: unmounted a lazyfs an earlier run left at {point}")
         why = net.available() if cfg.use_netns else "disabled by --no-netns"
         if why is None:
             for line in net.cleanup():
@@ -117,6 +132,18 @@ class Runner:
                 msg += "; partition nemeses refused (no kernel-level partitions to make)"
             self.log(msg)
             self.notes.append(msg)
+        wanted = [k for k in kinds if k in LAZYFS_KINDS]
+        if wanted:
+            why_not = lazyfs.why_unavailable()
+            if why_not is None:
+                self.lazyfs = True
+                self.log("data directories on lazyfs (power loss and disk errors): FUSE mounts")
+            else:
+                for k in wanted:
+                    kinds.remove(k)
+                msg = f"lazyfs unavailable ({why_not}): {', '.join(wanted)} nemesis skipped"
+                self.log(msg)
+                self.notes.append(msg)
         if "clock" in kinds and find_libfaketime() is None:
             kinds.remove("clock")
             msg = "libfaketime not found (apt package 'faketime'): clock nemesis skipped"
@@ -162,6 +189,8 @@ class Runner:
         cfg = self.cfg
         rng = random.Random(cfg.seed)
         settings: dict[str, int | str] = {"snapshot_every_entries": 4000}
+        if cfg.flush != "sync":
+            settings["flush"] = cfg.flush
         settings.update(cfg.node_settings)
         self.cluster = c = Cluster(
             cfg.out / "cluster",
@@ -170,6 +199,7 @@ class Runner:
             netns=self.netns,
             node_settings=settings,
             node_env=cfg.node_env,
+            lazyfs=self.lazyfs,
         )
         import shutil
 
@@ -182,6 +212,8 @@ class Runner:
             "seed": cfg.seed,
             "netns": self.netns,
             "node_env": sorted(cfg.node_env),
+            "flush": str(settings.get("flush", "sync")),
+            "lazyfs": self.lazyfs,
         }
         with Writer(hist, metadata=meta) as w:
             c.start_all()
@@ -235,6 +267,12 @@ class Runner:
                 self.log(
                     f"workload done: ok={wl.stats.ok} fail={wl.stats.fail} info={wl.stats.info}"
                 )
+                self.log("comparing the replicas (every queue from every live node)")
+                self.replicas_result = await replicas.compare(c, TOPIC, cfg.queues)
+                self.log(
+                    f"replicas: {self.replicas_result['divergent_offsets']} divergent offsets, "
+                    f"messages per node {self.replicas_result['messages_per_node']}"
+                )
                 self.stats = wl.stats.by_f
                 self.nemesis_events = nem.events
             finally:
@@ -259,6 +297,10 @@ class Runner:
                 else:
                     kind, shape = kinds[k % len(kinds)], None
                     k += 1
+                # A replica that stopped during the quiet time (REPLICA_DIVERGED
+                # once the leader reached it, after a power loss) is rebuilt
+                # before the next fault can take the cluster's last quorum.
+                await self._note_exits(c, nem)
                 await nem.start(kind, shape)
                 await self._sleep_until(rng.uniform(*cfg.fault_s), end)
                 await nem.heal()
@@ -316,6 +358,21 @@ class Runner:
                 await nem.rebuild(node, term, info)
                 nem.events.append({"kind": "corrupt-late", "targets": [node], **info})
                 continue
+            tail = c.log_tail(node, 60)
+            if rec["exit_code"] == 2 and ("ReplicaDiverged" in tail or "REPLICA_DIVERGED" in tail):
+                # The replica found that its committed log contradicts the
+                # leader's (possible after a majority power loss in async
+                # mode) and stopped, as it must: rebuild it from the leader.
+                said = [x for x in tail.splitlines() if "diverged" in x]
+                self.log(f"node {node} stopped: REPLICA_DIVERGED; rebuilding it from the leader")
+                st = await c.statuses()
+                term = max((int(s.get("term", 0)) for s in st.values()), default=0)
+                info = {"said": (said or [""])[-1][-400:]}
+                if nem is not None:
+                    await nem.rebuild(node, term, info)
+                    nem.events.append({"kind": "diverged-rebuild", "targets": [node], **info})
+                self.diverged.append({"node": node, **info})
+                continue
             self.exits.append(rec)
             self.log(
                 f"node {rec['node']} exited on its own with code {rec['exit_code']}:\n"
@@ -353,13 +410,28 @@ class Runner:
         self.log("checking the history")
         history = read_history(hist)
         results = check_history(history, recovery_config=RecoveryConfig())
-        nodes_verdict = "invalid" if self.exits else "valid"
+        disk_warnings = self.nem.disk_warnings if self.nem is not None else []
+        # A divergence is the promised fail-stop in async mode after a power
+        # loss of a majority; in sync mode nothing acknowledged is ever lost,
+        # so a replica that finds its committed log contradicted is a bug.
+        bad_divergence = self.diverged if cfg.flush == "sync" else []
+        nodes_verdict = "invalid" if self.exits or disk_warnings or bad_divergence else "valid"
         results["checkers"]["nodes"] = {
             "checker": "nodes",
             "verdict": nodes_verdict,
             "unexpected_exits": self.exits,
-            "warnings": self.warnings,
+            "warnings": self.warnings + disk_warnings,
+            "diverged_rebuilt": self.diverged,
+            "flush": cfg.flush,
         }
+        if self.replicas_result is not None:
+            results["checkers"]["replicas"] = self.replicas_result
+        if cfg.flush == "async":
+            # What a power loss of a majority took: only the unsynced tail.
+            interval_ms = int(cfg.node_settings.get("flush_interval_ms", 200))
+            results["checkers"]["tail"] = tail.check(
+                history, voters=cfg.nodes, tail_s=max(2.0, 10 * interval_ms / 1000)
+            )
         results["verdict"] = combine([r["verdict"] for r in results["checkers"].values()])
         results["run"] = {
             "nodes": cfg.nodes,
@@ -372,6 +444,8 @@ class Runner:
             "ops_by_f": getattr(self, "stats", {}),
             "nemesis_events": getattr(self, "nemesis_events", []),
             "schedule": getattr(self, "schedule", []),
+            "flush": cfg.flush,
+            "lazyfs": self.lazyfs,
             "wall_s": round(time.monotonic() - self.t0, 1),
         }
         (cfg.out / "results.json").write_bytes(

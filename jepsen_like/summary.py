@@ -129,6 +129,27 @@ def reasons(results: dict[str, Any], max_per: int = 3) -> dict[str, list[str]]:
                     f"node {e.get('node')} exited on its own with code {e.get('exit_code')}"
                     + (f": {last}" if last else "")
                 )
+        if name == "nodes":
+            for w in r.get("warnings", [])[:max_per]:
+                lines.append(f"node {w.get('node')}: {w.get('warning')}")
+            if r.get("flush") == "sync":
+                for d in r.get("diverged_rebuilt", [])[:max_per]:
+                    lines.append(
+                        f"node {d.get('node')} stopped with REPLICA_DIVERGED in sync mode, "
+                        "where no acknowledged write may be lost"
+                    )
+        elif name == "tail":
+            for ex in r.get("outside_examples", [])[:max_per]:
+                lines.append(
+                    f"{ex['key']}: acknowledged {ex['value']!r} at offset {ex['offset']} was "
+                    "lost, and no power loss of a majority followed it within the tail"
+                )
+        elif name == "replicas":
+            for ex in r.get("examples", [])[:max_per]:
+                held = "; ".join(f"{v!r} on nodes {ns}" for v, ns in ex["values"].items())
+                lines.append(f"queue {ex['queue']} offset {ex['offset']} differs: {held}")
+            if r.get("unreadable_nodes"):
+                lines.append(f"nodes {r['unreadable_nodes']} could not be read")
         if not lines:
             lines.append(f"verdict {v}")
         out[name] = lines
@@ -156,7 +177,23 @@ def detail(name: str, r: dict[str, Any]) -> str:
             f"{len(r.get('unavailability', []))} gaps outside faults"
         )
     if name == "nodes":
-        return f"{len(r.get('unexpected_exits', []))} unexpected exits"
+        out = f"{len(r.get('unexpected_exits', []))} unexpected exits"
+        if r.get("diverged_rebuilt"):
+            out += f", {len(r['diverged_rebuilt'])} diverged replica(s) rebuilt"
+        return out
+    if name == "tail":
+        return (
+            f"{r.get('lost_in_tail', 0)} of {r.get('acknowledged', 0)} acknowledged writes lost "
+            f"in the unsynced tail of {r.get('majority_power_losses', 0)} majority power "
+            f"loss(es) (oldest {r.get('max_ack_age_ms')} ms before it), "
+            f"{r.get('lost_outside_tail', 0)} outside it"
+        )
+    if name == "replicas":
+        per = r.get("messages_per_node", {})
+        return (
+            f"{r.get('divergent_offsets', 0)} divergent offsets across {len(per)} replicas "
+            f"(messages per node: {', '.join(f'{i}: {sum(q.values())}' for i, q in per.items())})"
+        )
     return ""
 
 

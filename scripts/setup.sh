@@ -55,3 +55,23 @@ if [ $covered = 0 ]; then
   touch "$stamp"
   echo "==> .venv ready ($((SECONDS - started)) s)"
 fi
+# The power-loss and disk-error nemeses mount a FUSE filesystem (pyfuse3,
+# built from source over Debian's libfuse3: .ci/run installs fuse3,
+# libfuse3-dev, pkg-config and gcc when it runs as root). Optional: without
+# it those nemeses and their tests skip and say why.
+case ",$extras," in
+  *,dev,*)
+    if ! .venv/bin/python -c "import pyfuse3, trio" >/dev/null 2>&1; then
+      if command -v pkg-config >/dev/null 2>&1 && pkg-config --exists fuse3 2>/dev/null \
+        && command -v cc >/dev/null 2>&1; then
+        echo "==> installing the faultfs extra (pyfuse3, trio: the power-loss nemesis's FUSE filesystem)"
+        PYTHONWARNINGS="ignore:Editable installation" .venv/bin/python -m pip install --quiet \
+          --progress-bar off -e ".[faultfs]" \
+          || echo "    pyfuse3 did not install: the power-loss and disk-error tests will skip"
+      else
+        echo "==> no libfuse3 headers (Debian: fuse3 libfuse3-dev pkg-config): the power-loss" \
+          "and disk-error nemeses will be skipped"
+      fi
+    fi
+    ;;
+esac

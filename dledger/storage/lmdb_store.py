@@ -107,6 +107,19 @@ deleted only after the commit (in async mode that commit is fsynced first).
 ``apply_snapshot`` drops every log entry and moves the compaction front to
 the snapshot (marker epoch = the snapshot's term at its end position).
 
+Disk errors
+-----------
+A write or fsync the disk refuses (``EIO``, ``ENOSPC``: LMDB's commit or
+``mdb_env_sync`` fails, or a snapshot file cannot be written) raises
+:class:`StorageFailed` and *poisons* the instance: every later ``sync()``,
+``flush()`` and snapshot write raises the same error without touching the
+disk, and ``close()`` does not flush. A failed fsync is never retried: on
+Linux the pages whose writeback failed are marked clean (their data may be
+gone), so a second fsync would report success for data that is not on disk
+(PostgreSQL's "fsyncgate"). The batch that failed was never reported
+durable, so nothing of it was acknowledged; the owner stops, and a restart
+on a healthy disk recovers from what was made durable.
+
 Not thread-safe: one owner (the node's storage loop) drives an instance.
 """
 
@@ -134,6 +147,7 @@ from dledger.errors import (
     ConfigError,
     InvariantViolation,
     StorageCorrupted,
+    StorageFailed,
 )
 from dledger.metrics import Histogram
 
@@ -386,6 +400,7 @@ class LmdbStorage:
                 "the data directory is damaged or not a dledger log"
             ) from exc
         self._closed = False
+        self._failed: StorageFailed | None = None
         try:
             self._log_db = self._env.open_db(b"log")
             self._meta_db = self._env.open_db(b"meta")
@@ -980,20 +995,25 @@ class LmdbStorage:
 
     def _write_snapshot_file(self, snap: Snapshot) -> str:
         """Write ``snap`` to its file atomically; returns the file name."""
+        if self._failed is not None:
+            raise self._failed
         name = _snapshot_name(snap.meta)
         final = os.path.join(self.path, name)
         tmp = final + ".tmp"
         header = snapshot_header(snap.meta, len(snap.data))
-        with open(tmp, "wb") as f:
-            # The same bytes as encode_snapshot_file, without concatenating a
-            # copy of the payload (a long GIL hold for a big snapshot).
-            f.write(header)
-            f.write(snap.data)
-            f.write(_CRC.pack(zlib.crc32(snap.data, zlib.crc32(header))))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        _fsync_dir(self.path)
+        try:
+            with open(tmp, "wb") as f:
+                # The same bytes as encode_snapshot_file, without concatenating a
+                # copy of the payload (a long GIL hold for a big snapshot).
+                f.write(header)
+                f.write(snap.data)
+                f.write(_CRC.pack(zlib.crc32(snap.data, zlib.crc32(header))))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+            _fsync_dir(self.path)
+        except OSError as exc:
+            raise self._disk_failed(f"write snapshot file {name}", exc) from exc
         return name
 
     # -- StableStore -------------------------------------------------------
@@ -1023,6 +1043,8 @@ class LmdbStorage:
         (in async mode: committed to the page cache, see the module doc)."""
         if self._closed:
             raise ValueError(f"storage in {self.path} is closed")
+        if self._failed is not None:
+            raise self._failed
         if not self._has_batch():
             return
         snap = self._snap_pending
@@ -1089,6 +1111,21 @@ class LmdbStorage:
                     f"{type(exc).__name__}: {exc}; the data file is damaged. "
                     "Do not restart this replica on this directory; rebuild it from a healthy peer."
                 ) from exc
+            except (lmdb.Error, OSError) as exc:
+                # The disk refused the commit's writes or its fsync.
+                raise self._disk_failed("commit a write transaction", exc) from exc
+
+    def _disk_failed(self, what: str, exc: BaseException) -> StorageFailed:
+        """Poison this instance (see "Disk errors" in the module doc)."""
+        if self._failed is None:
+            self._failed = StorageFailed(
+                f"the disk under {self.path} failed to {what}: {type(exc).__name__}: {exc}. "
+                "This node cannot make its log durable: it stops without acknowledging "
+                "the failed writes, and will not retry the fsync (the kernel may have "
+                "dropped the data). Fix the disk, then restart the node; it recovers from "
+                "what it had made durable."
+            )
+        return self._failed
 
     def _apply_batch(self, txn: lmdb.Transaction[bytes]) -> None:
         cur = txn.cursor(db=self._log_db)
@@ -1158,9 +1195,14 @@ class LmdbStorage:
 
     def flush(self) -> None:
         """Async mode: fsync every committed transaction now."""
+        if self._failed is not None:
+            raise self._failed
         if self._unflushed and not self._closed:
             t0 = time.perf_counter()
-            self._env.sync(True)
+            try:
+                self._env.sync(True)
+            except (lmdb.Error, OSError) as exc:
+                raise self._disk_failed("fsync committed transactions", exc) from exc
             self.fsync_seconds.observe(time.perf_counter() - t0)
             self._unflushed = False
             self.flushes += 1
@@ -1171,7 +1213,8 @@ class LmdbStorage:
         if self._closed:
             return
         try:
-            self.flush()
+            if self._failed is None:
+                self.flush()
         finally:
             self._closed = True
             self._env.close()

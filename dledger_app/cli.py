@@ -301,30 +301,13 @@ def cmd_cluster_down(args: argparse.Namespace) -> int:
 def cmd_cluster_kill(args: argparse.Namespace) -> int:
     if MultiCluster.is_multi(args.dir):
         return multi_cli.cmd_kill(args)
-    lc = LocalCluster(args.dir)
-    sig = signal.Signals[f"SIG{args.signal.upper().removeprefix('SIG')}"]
-    lc.member(args.id)
-    if not lc.kill(args.id, sig):
-        print(f"node {args.id} is not running", file=sys.stderr)
-        return EXIT_FAILURE
-    print(f"node {args.id}: sent {sig.name}")
-    return EXIT_OK
+    return multi_cli.kill_member(LocalCluster(args.dir), args, "")
 
 
 def cmd_cluster_restart(args: argparse.Namespace) -> int:
     if MultiCluster.is_multi(args.dir):
         return multi_cli.cmd_restart(args)
-    lc = LocalCluster(args.dir)
-    lc.member(args.id)
-    how = lc.stop(args.id, args.timeout)
-    lc.start(args.id)
-    try:
-        lc.wait_http(args.id, args.timeout)
-    except (TimeoutError, RuntimeError) as exc:
-        print(f"dledger cluster restart: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
-    print(f"node {args.id}: {how}, started again (pid {lc.pid(args.id)})")
-    return EXIT_OK
+    return multi_cli.restart_member(LocalCluster(args.dir), args, "")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -140,21 +140,20 @@ def _group(mc: MultiCluster, args: argparse.Namespace) -> LocalCluster:
     return mc.controller() if args.group == "controller" else mc.group(args.group)
 
 
-def cmd_kill(args: argparse.Namespace) -> int:
-    mc = MultiCluster(args.dir)
-    lc = _group(mc, args)
+def kill_member(lc: LocalCluster, args: argparse.Namespace, label: str) -> int:
+    """``cluster kill``: send ``args.signal`` to node ``args.id`` of ``lc``
+    (one cluster, or one group of a multi-group one; ``label`` names it)."""
     sig = signal.Signals[f"SIG{args.signal.upper().removeprefix('SIG')}"]
     lc.member(args.id)
     if not lc.kill(args.id, sig):
-        print(f"{args.group} node {args.id} is not running", file=sys.stderr)
+        print(f"{label}node {args.id} is not running", file=sys.stderr)
         return EXIT_FAILURE
-    print(f"{args.group} node {args.id}: sent {sig.name}")
+    print(f"{label}node {args.id}: sent {sig.name}")
     return EXIT_OK
 
 
-def cmd_restart(args: argparse.Namespace) -> int:
-    mc = MultiCluster(args.dir)
-    lc = _group(mc, args)
+def restart_member(lc: LocalCluster, args: argparse.Namespace, label: str) -> int:
+    """``cluster restart``: stop node ``args.id`` of ``lc`` and start it again."""
     lc.member(args.id)
     how = lc.stop(args.id, args.timeout)
     lc.start(args.id)
@@ -163,8 +162,16 @@ def cmd_restart(args: argparse.Namespace) -> int:
     except (TimeoutError, RuntimeError) as exc:
         print(f"dledger cluster restart: {exc}", file=sys.stderr)
         return EXIT_FAILURE
-    print(f"{args.group} node {args.id}: {how}, started again (pid {lc.pid(args.id)})")
+    print(f"{label}node {args.id}: {how}, started again (pid {lc.pid(args.id)})")
     return EXIT_OK
+
+
+def cmd_kill(args: argparse.Namespace) -> int:
+    return kill_member(_group(MultiCluster(args.dir), args), args, f"{args.group} ")
+
+
+def cmd_restart(args: argparse.Namespace) -> int:
+    return restart_member(_group(MultiCluster(args.dir), args), args, f"{args.group} ")
 
 
 def cmd_endpoints(args: argparse.Namespace) -> int:

@@ -1,8 +1,10 @@
 """The worst request the node's caps accept, of each kind, sent 20 times in a
 row to the leader of a 3-node cluster (real processes) while another client
-produces: no stretch of the leader's event loop spends a quarter of the
-election timeout of CPU time (the node's ``loop_cpu_ms_max``: CPU time does
-not grow when the machine is loaded, so this holds under a CPU hog too),
+produces: no stretch of the leader's event loop spends half the election
+timeout of CPU time (the node's ``loop_cpu_ms_max``: CPU time does not grow
+when the machine is loaded, so this holds under a CPU hog too; a follower
+waits at least one election timeout before it campaigns, so half of it is
+left to the host),
 and on a host that is not overloaded the Raft term never changes and the
 other client's p99 latency stays under the election timeout (issue #13).
 On an overloaded host (load average above the core count) a leader change
@@ -126,11 +128,12 @@ def test_worst_accepted_requests_do_not_depose_the_leader(
                     status = 0  # the node may close after a refusal it did not read
                 seen[status] = seen.get(status, 0) + 1
             assert set(seen) <= {want, 0} and seen.get(want, 0) >= REPEATS // 2, (name, seen)
+            print(f"{name}: leader loop CPU max so far {_loop_cpu_ms_max(c, leader):.1f} ms")
     finally:
         producer.halt.set()
         producer.join(60)
     cpu_after_ms = _loop_cpu_ms_max(c, leader)
-    bound_ms = cfg.election_timeout_ms / 4
+    bound_ms = cfg.election_timeout_ms / 2
     print(f"leader loop CPU max: {cpu_before_ms:.1f} ms before, {cpu_after_ms:.1f} ms after")
     assert cpu_after_ms <= max(cpu_before_ms, bound_ms), (
         f"a stretch of the leader's loop spent {cpu_after_ms:.0f} ms of CPU during the worst "

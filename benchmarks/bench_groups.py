@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import base64
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -175,15 +174,7 @@ def run_groups(ctx: Context) -> BenchResult:
                 ]  # fmt: skip
                 raw["proxy"] = {"rates": p_rates, "median_ms": p_lat, "client_median_ms": c_lat}
         finally:
-            if proxy is not None:
-                proxy.send_signal(signal.SIGTERM)
-                try:
-                    proxy.wait(10)
-                except subprocess.TimeoutExpired:
-                    proxy.kill()
-                    proxy.wait(10)
-            for lc in mc.all().values():
-                lc.down()
+            mc.down(proxy)
     res.raw = raw
     res.notes.append(
         "One machine: every group's nodes share its cores and disk, so more groups do not "

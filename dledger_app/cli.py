@@ -228,12 +228,7 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
         leader = lc.wait_leader(args.timeout)
     except TimeoutError as exc:
         print(f"dledger cluster up: {exc}", file=sys.stderr)
-        for nid in lc.ids():
-            if not lc.running(nid):
-                print(
-                    f"node {nid} is not running; its log ends with:\n{lc.log_tail(nid)}",
-                    file=sys.stderr,
-                )
+        multi_cli.report_not_running(lc, "")
         return EXIT_FAILURE
     _print_members(lc)
     st = lc.status(leader) or {}

@@ -191,15 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
         return 0
     finally:
-        if proxy is not None:
-            proxy.send_signal(signal.SIGTERM)
-            try:
-                proxy.wait(10)
-            except subprocess.TimeoutExpired:
-                proxy.kill()
-                proxy.wait(10)
-        for lc in mc.all().values():
-            lc.down()
+        mc.down(proxy)
         say("==> stopped every process it started (12 nodes and the proxy)")
 
 

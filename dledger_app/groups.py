@@ -28,6 +28,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,6 +197,13 @@ class MultiCluster:
         """Every group, the controller first."""
         return {"controller": self.controller(), **self.groups()}
 
+    def down(self, proxy: subprocess.Popen[Any] | None = None) -> None:
+        """Stop ``proxy`` (if one was started) and every node of every group."""
+        if proxy is not None:
+            stop_process(proxy)
+        for lc in self.all().values():
+            lc.down()
+
     def wait_serving(self, timeout_s: float = 60.0) -> None:
         """Until every node of every group answers ``/healthz``: all their
         ports are bound, so a port picked free afterwards cannot be one of
@@ -212,3 +221,13 @@ class MultiCluster:
         for lc in self.groups().values():
             out += [m.http_address for m in lc.spec.members]
         return out
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if it is still running after ``timeout_s``."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout_s)

@@ -71,12 +71,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     except TimeoutError as exc:
         print(f"dledger cluster up: {exc}", file=sys.stderr)
         for name, lc in clusters.items():
-            for nid in lc.ids():
-                if not lc.running(nid):
-                    print(
-                        f"{name} node {nid} is not running; its log ends with:\n{lc.log_tail(nid)}",
-                        file=sys.stderr,
-                    )
+            report_not_running(lc, f"{name} ")
         return EXIT_FAILURE
     print_status(mc)
     return EXIT_OK
@@ -138,6 +133,17 @@ def _group(mc: MultiCluster, args: argparse.Namespace) -> LocalCluster:
             f"(controller, {', '.join(mc.group_names())})"
         )
     return mc.controller() if args.group == "controller" else mc.group(args.group)
+
+
+def report_not_running(lc: LocalCluster, label: str) -> None:
+    """After a failed start: each node of ``lc`` that is not running, with
+    the end of its log (``label`` names the group, if any)."""
+    for nid in lc.ids():
+        if not lc.running(nid):
+            print(
+                f"{label}node {nid} is not running; its log ends with:\n{lc.log_tail(nid)}",
+                file=sys.stderr,
+            )
 
 
 def kill_member(lc: LocalCluster, args: argparse.Namespace, label: str) -> int:

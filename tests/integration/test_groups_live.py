@@ -39,7 +39,7 @@ from typing import Any
 import pytest
 
 from dledger.cluster import free_ports, http_request
-from dledger_app.groups import MultiCluster
+from dledger_app.groups import MultiCluster, stop_process
 from http_api.client import ApiError, Client
 from http_api.routing import GroupUnavailableError, RoutingClient
 
@@ -219,12 +219,7 @@ def proxy(multi: MultiCluster) -> Iterator[str]:
     try:
         yield f"127.0.0.1:{port}"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_process(proc)
         log.close()
 
 

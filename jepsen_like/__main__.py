@@ -1,6 +1,6 @@
 """``python -m jepsen_like run ...``: one harness run; ``check H.jsonl``: the checkers.
 
-    python -m jepsen_like run --nodes 3|5 [--learners N]
+    python -m jepsen_like run --nodes 3|5 [--learners N] [--groups G [--unordered N]]
         --nemesis all|kill,pause,partition,clock,corrupt,power,disk|none
         [--flush sync|async]
         --time-limit S --out DIR [--seed N] [--schedule kill:all,pause:leader,...]
@@ -21,20 +21,26 @@ import argparse
 import sys
 from pathlib import Path
 
+from jepsen_like.groups import GROUP_KINDS, GROUPS_ALL
 from jepsen_like.nemesis import ALL_KINDS, parse_schedule
 from jepsen_like.runner import RunConfig, Runner
 
 
 def _kinds(s: str) -> list[str]:
-    if s == "all":
-        return list(ALL_KINDS)
+    """Validated later, once --groups is known ('all' depends on it)."""
     if s in ("none", ""):
         return []
-    out = [k.strip() for k in s.split(",") if k.strip()]
-    bad = [k for k in out if k not in ALL_KINDS]
+    return [k.strip() for k in s.split(",") if k.strip()]
+
+
+def _resolve_kinds(kinds: list[str], groups: int) -> list[str]:
+    known = list(ALL_KINDS) + (list(GROUP_KINDS) if groups else [])
+    if kinds == ["all"]:
+        return list(GROUPS_ALL) if groups else list(ALL_KINDS)
+    bad = [k for k in kinds if k not in known]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown nemesis {bad} (known: {', '.join(ALL_KINDS)})")
-    return out
+        raise ValueError(f"unknown nemesis {bad} (known: {', '.join(known)})")
+    return kinds
 
 
 def _schedule(s: str) -> list[tuple[str, str | None]]:
@@ -73,11 +79,34 @@ def main(argv: list[str] | None = None) -> int:
         default="all",
         metavar="KINDS",
         help="faults to inject, in turn: 'all', 'none', or a comma-separated list of "
-        f"{', '.join(ALL_KINDS)} (kill: SIGKILL nodes; pause: SIGSTOP them; partition: "
+        f"{', '.join(ALL_KINDS)}, and with --groups also group, controller (kill: SIGKILL "
+        "nodes; pause: SIGSTOP them; partition: "
         "iptables rules between namespaces; clock: restart a node with a skewed or "
         "strobing clock; corrupt: damage a stopped node's data file, rebuild it; power: "
         "SIGKILL nodes and drop what they never fsynced (lazyfs, FUSE); disk: fail one "
-        "node's fsyncs or writes with EIO/ENOSPC (lazyfs))",
+        "node's fsyncs or writes with EIO/ENOSPC (lazyfs); group: SIGKILL a majority or all "
+        "of one broker group; controller: SIGKILL the controller's leader or majority). With "
+        "--groups, 'all' is group, controller, kill, pause, partition, clock, corrupt, the "
+        "single-group kinds each acting on a random broker group",
+    )
+    r.add_argument(
+        "--groups",
+        type=int,
+        default=0,
+        metavar="G",
+        help="a multi-group run: G broker groups of --nodes voters each, plus a controller "
+        "group; queues spread over the groups by the controller (0: one plain cluster)",
+    )
+    r.add_argument(
+        "--controller-nodes", type=int, choices=[3, 5], default=3, help="with --groups"
+    )
+    r.add_argument(
+        "--unordered",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --groups: producers of unordered messages, which move to another group's "
+        "queue when theirs refuses or times out (default: 2 per group)",
     )
     r.add_argument(
         "--flush",
@@ -91,13 +120,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     r.add_argument("--out", type=Path, default=Path("jepsen-out"), help="output directory")
     r.add_argument("--seed", type=int, default=0, help="seed of the fault schedule and targets")
-    r.add_argument("--queues", type=int, default=3, help="queues of the test topic")
+    r.add_argument(
+        "--queues",
+        type=int,
+        default=None,
+        help="queues of the test topic (default 3; with --groups, 2 per group)",
+    )
     r.add_argument(
         "--clients-per-queue",
         type=int,
-        default=12,
+        default=None,
         help="contended workload: clients of each queue (half producers, a third of them "
-        "idempotent; the rest read at the head); 0: the legacy --producers/--readers mix",
+        "idempotent; the rest read at the head); 0: the legacy --producers/--readers mix "
+        "(default 12; with --groups 6)",
     )
     r.add_argument(
         "--client-timeout",
@@ -178,17 +213,29 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.shapes:
         kind, _, rest = spec.partition("=")
         shapes[kind] = [s for s in rest.split(",") if s]
+    try:
+        kinds = _resolve_kinds(args.nemesis, args.groups)
+    except ValueError as e:
+        r.error(str(e))
+    if args.groups < 0:
+        r.error("--groups must be >= 0")
+    multi = args.groups > 0
+    if multi and args.learners:
+        args.learners = 0  # broker groups are voters only in a multi-group run
+    queues = args.queues if args.queues is not None else (2 * args.groups if multi else 3)
+    cpq = args.clients_per_queue if args.clients_per_queue is not None else (6 if multi else 12)
+    unordered = args.unordered if args.unordered is not None else 2 * args.groups
     env = {}
     if args.fault:
         env = {"DLEDGER_ENABLE_FAULTS": "1", "DLEDGER_FAULTS": ",".join(args.fault)}
     cfg = RunConfig(
         nodes=args.nodes,
         learners=args.learners,
-        nemesis=args.nemesis,
+        nemesis=kinds,
         time_limit_s=args.time_limit,
         out=args.out,
         seed=args.seed,
-        queues=args.queues,
+        queues=queues,
         producers=args.producers,
         idempotent_producers=args.producers // 2,
         readers=args.readers,
@@ -198,12 +245,19 @@ def main(argv: list[str] | None = None) -> int:
         node_env=env,
         use_netns=not args.no_netns,
         shapes=shapes,
-        clients_per_queue=args.clients_per_queue,
+        clients_per_queue=cpq,
         client_timeout_s=tuple(args.client_timeout),
         schedule=args.schedule,
         flush=args.flush,
+        groups=args.groups,
+        controller_nodes=args.controller_nodes,
+        unordered=unordered if multi else 0,
     )
     try:
+        if multi:
+            from jepsen_like.groups import GroupsRunner
+
+            return GroupsRunner(cfg).run()
         return Runner(cfg).run()
     except RuntimeError as e:
         print(f"VERDICT ERROR: {e}", file=sys.stderr)

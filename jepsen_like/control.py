@@ -257,15 +257,25 @@ class Cluster:
         node_settings: dict[str, int | str] | None = None,
         node_env: dict[str, str] | None = None,
         lazyfs: bool = False,
+        first_id: int = 1,
+        cluster_id: str = "jepsen",
+        group: tuple[str, str, list[str]] | None = None,
     ) -> None:
+        """``first_id``: the members' ids are ``first_id``, ``first_id + 1``, ...
+        (several clusters of one run share the namespaces, the bridge and the
+        PID file, so their ids must not overlap). ``group``: (name, role,
+        controller HTTP addresses) of a multi-group run: a ``group.toml``
+        goes next to the cluster file, and the nodes join that group."""
         self.root = root
+        self.cluster_id = cluster_id
+        self.group = group
         self.netns = netns
         self.lazyfs = lazyfs
         self.members: dict[int, Member] = {}
         self.node_env = dict(node_env or {})
         self.node_settings = dict(node_settings or {})
-        for i in range(1, voters + learners + 1):
-            role = "voter" if i <= voters else "learner"
+        for i in range(first_id, first_id + voters + learners):
+            role = "voter" if i < first_id + voters else "learner"
             if netns:
                 ip = net.node_ip(i)
                 raft, http = f"{ip}:7000", f"{ip}:8000"
@@ -286,7 +296,7 @@ class Cluster:
     # -- files -------------------------------------------------------------
     def write_cluster_file(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        lines = ["[cluster]", 'id = "jepsen"', f"secret = {_toml_str(os.urandom(16).hex())}", ""]
+        lines = ["[cluster]", f"id = {_toml_str(self.cluster_id)}", f"secret = {_toml_str(os.urandom(16).hex())}", ""]
         if self.node_settings:
             lines.append("[node]")
             for k, v in sorted(self.node_settings.items()):
@@ -303,6 +313,13 @@ class Cluster:
                 "",
             ]
         self.cluster_file.write_text("\n".join(lines))
+        if self.group is not None:
+            name, role, controller = self.group
+            addrs = ", ".join(_toml_str(a) for a in controller)
+            (self.root / "group.toml").write_text(
+                f"[group]\nname = {_toml_str(name)}\nrole = {_toml_str(role)}\n"
+                f"controller = [{addrs}]\n"
+            )
 
     @property
     def ids(self) -> list[int]:
@@ -490,7 +507,9 @@ class Cluster:
                 self.kill(i)
         if self.lazyfs:
             self.unmount_all()
-        _save_pids({})
+        # Only this cluster's records: another cluster of the run may still run.
+        mine = {str(i) for i in self.ids} | {f"fs-{i}" for i in self.ids}
+        _save_pids({k: v for k, v in _load_pids().items() if k not in mine})
 
     def check_exits(self) -> list[dict[str, Any]]:
         """Nodes that exited without the harness killing them (recorded once)."""

@@ -123,6 +123,9 @@ SHAPES: dict[str, tuple[str, ...]] = {
     "corrupt": ("one",),
     "power": POWER_SHAPES,
     "disk": DISK_SHAPES,
+    # Multi-group runs only (jepsen_like.groups): a whole broker group, the controller.
+    "group": ("majority", "all"),
+    "controller": ("leader", "majority"),
 }
 
 
@@ -143,8 +146,8 @@ def parse_schedule(text: str) -> list[tuple[str, str | None]]:
         if not item:
             continue
         kind, _, shape = item.partition(":")
-        if kind not in ALL_KINDS:
-            raise ValueError(f"unknown nemesis kind {kind!r} (known: {', '.join(ALL_KINDS)})")
+        if kind not in SHAPES:
+            raise ValueError(f"unknown nemesis kind {kind!r} (known: {', '.join(SHAPES)})")
         if shape and shape not in SHAPES[kind]:
             raise ValueError(f"unknown {kind} shape {shape!r} (known: {', '.join(SHAPES[kind])})")
         out.append((kind, shape or None))
@@ -181,8 +184,11 @@ class Nemesis:
         log: Callable[[str], None],
         libfaketime: str | None,
         shapes: dict[str, list[str]] | None = None,
+        group: str | None = None,
     ) -> None:
         self.c = cluster
+        # A multi-group run: the group this nemesis acts on, in every record.
+        self.group = group
         self.w = writer
         self.rng = rng
         self.kinds = kinds
@@ -225,6 +231,8 @@ class Nemesis:
         raise ValueError(shape)
 
     def _record(self, f: str, kind: str, targets: list[int], **extra: Any) -> None:
+        if self.group is not None:
+            extra["group"] = self.group
         self.w.nemesis(f, kind, targets, **extra)  # type: ignore[arg-type]
 
     # -- one fault ---------------------------------------------------------------
@@ -357,7 +365,8 @@ class Nemesis:
         else:
             raise ValueError(f"unknown nemesis kind {kind!r}")
         self._open = (kind, targets, info)
-        self.log(f"nemesis start {kind} {targets} {_brief(info)}")
+        where = f"{self.group}: " if self.group else ""
+        self.log(f"nemesis start {where}{kind} {targets} {_brief(info)}")
 
     async def heal(self) -> None:
         if self._open is None:
@@ -373,8 +382,10 @@ class Nemesis:
             if k in ("rebuilt", "refused", "damage", "caught_up", "torn", "stopped", "exit_code")
         }
         self._record("stop", kind, targets, **extra)
-        self.events.append({"kind": kind, "targets": targets, **info})
-        self.log(f"nemesis stop  {kind} {targets}")
+        group = {} if self.group is None else {"group": self.group}
+        self.events.append({"kind": kind, "targets": targets, **group, **info})
+        where = f"{self.group}: " if self.group else ""
+        self.log(f"nemesis stop  {where}{kind} {targets}")
 
     async def _await_leader(self, kind: str, shape: str | None, wait_s: float = 10.0) -> int | None:
         """A shape aimed at the leader right after a fault that left none

@@ -295,6 +295,106 @@ def rto_svg(recovery: dict[str, Any], events: list[dict[str, Any]] | None = None
     )
 
 
+def groups_svg(g: dict[str, Any]) -> str:
+    """Unordered produces acknowledged during each whole-group outage, with
+    the figure a producer that never moves would get (dashed)."""
+    outs = [o for o in g.get("outages", []) if o.get("group") != "controller"]
+    if not outs:
+        return "<p>no whole-group outage</p>"
+    n = len(outs)
+    plot_h = _H - _PAD - _TOP
+    bw = (_W - _PAD - 10) / n
+    body = []
+    for k, o in enumerate(outs):
+        v = o.get("unordered_availability")
+        h = plot_h * (v or 0.0)
+        x = _PAD + k * bw
+        u = o.get("unordered", {})
+        body.append(
+            f'<rect x="{x + 2:.1f}" y="{_H - _PAD - h:.1f}" width="{max(bw - 4, 1):.1f}" '
+            f'height="{h:.1f}" fill="#1f77b4"><title>{_esc(o["group"])} {_esc(o["kind"])} '
+            f"{_esc(o['targets'])}: {u.get('ok', 0)}/{u.get('invoked', 0)} acknowledged"
+            "</title></rect>"
+        )
+        cx = x + bw / 2
+        tag = "-" if v is None else f"{v * 100:.0f}%"
+        body.append(
+            f'<text x="{cx:.1f}" y="{_H - _PAD - h - 3:.1f}" text-anchor="middle" '
+            f'font-size="10">{_esc(tag)}</text>'
+            f'<text x="{cx:.1f}" y="{_H - _PAD + 14}" text-anchor="middle" font-size="10">'
+            f"{_esc(o['group'])} down</text>"
+        )
+    naive = g.get("naive_availability")
+    if naive is not None:
+        y = _H - _PAD - plot_h * naive
+        body.append(
+            f'<line x1="{_PAD}" y1="{y:.1f}" x2="{_W - 10}" y2="{y:.1f}" stroke="#d62728" '
+            f'stroke-dasharray="5,4"><title>never moving: {naive * 100:.0f}%</title></line>'
+        )
+    return _frame(
+        "Unordered produces acknowledged during each whole-group outage "
+        "(dashed: a producer that never moves to another group)",
+        body,
+        float(n),
+        "acknowledged",
+        1.0,
+        False,
+        xticks=False,
+    )
+
+
+def groups_html(g: dict[str, Any] | None) -> str:
+    if not g:
+        return ""
+    rows = [
+        [
+            _esc(name),
+            _esc(r.get("verdict")),
+            _esc(r.get("queues")),
+            _esc(r.get("ops")),
+            _esc(r.get("faults")),
+            _esc(r.get("max_rto_ms")),
+            _esc(len(r.get("unavailability", []))),
+        ]
+        for name, r in g.get("groups", {}).items()
+    ]
+    orows = [
+        [
+            _esc(o["group"]),
+            _esc(o["kind"]),
+            _esc(o["targets"]),
+            _esc(o.get("duration_ms")),
+            _esc(o.get("unordered", o.get("produces"))),
+            _esc(o.get("ordered_on_dead_group", "-")),
+            _esc(", ".join(o.get("ordered_errors", [])[:6]) or "-"),
+        ]
+        for o in g.get("outages", [])
+    ]
+    return (
+        "<h2>Broker groups</h2>"
+        + groups_svg(g)
+        + "<p>Recovery per group: its queues' operations and the faults on its nodes "
+        "only (a fault elsewhere, the controller's included, excuses no gap).</p>"
+        + _table(
+            ["group", "verdict", "queues", "ops", "faults", "max RTO ms", "gaps outside faults"],
+            rows,
+        )
+        + "<p>Outages of a whole group or of the controller's majority.</p>"
+        + _table(
+            [
+                "group",
+                "fault",
+                "targets",
+                "duration ms",
+                "unordered produces (or all, controller)",
+                "ordered produces to the dead group",
+                "their errors",
+            ],
+            orows,
+        )
+    )
+
+
 def _shape_of(events: list[dict[str, Any]] | None, k: int, w: dict[str, Any]) -> str:
     if not events or k >= len(events) or events[k].get("kind") != w.get("kind"):
         return ""
@@ -445,6 +545,7 @@ network namespaces: {_esc(run.get("netns"))}, {_esc(results.get("ops"))} operati
 {_table(["#", "fault", "shape", "targets", "duration ms", "RTO ms", "unrecovered"], wrows)}
 <p>Unavailability outside fault windows:</p>
 {_table(["from ns", "to ns", "duration ms"], gaps) if gaps else "<p>none</p>"}
+{groups_html(checkers.get("groups"))}
 <h2>Queue anomalies</h2>
 {_table(["anomaly", "count", "examples"], qrows) if qrows else "<p>none</p>"}
 <h2>Linearizability: keys not valid</h2>{"".join(lin_html) or "<p>none</p>"}

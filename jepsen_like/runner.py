@@ -82,6 +82,11 @@ class RunConfig:
     # The nodes' flush mode (issue 20: "async" may lose the unsynced tail
     # after a power loss of a majority, never diverge).
     flush: str = "sync"
+    # A multi-group run (jepsen_like.groups): broker groups (0: one plain
+    # cluster), the controller group's voters, unordered producers.
+    groups: int = 0
+    controller_nodes: int = 3
+    unordered: int = 0
 
 
 class Runner:
@@ -121,7 +126,7 @@ class Runner:
         if why is None:
             for line in net.cleanup():
                 self.log(f"cleanup: {line}")
-            net.setup(range(1, cfg.nodes + cfg.learners + 1))
+            net.setup(range(1, self._node_count() + 1))
             self.netns = True
             self.used_netns = True
             self.log(f"network namespaces ready: bridge {net.BRIDGE}, nodes on {net.SUBNET}.x")
@@ -150,6 +155,10 @@ class Runner:
             self.log(msg)
             self.notes.append(msg)
         return kinds
+
+    def _node_count(self) -> int:
+        """How many node processes (and network namespaces) the run has."""
+        return self.cfg.nodes + self.cfg.learners
 
     def _teardown(self) -> None:
         if self.cluster is not None:
@@ -279,12 +288,18 @@ class Runner:
                 await http.close()
                 await c.close()
 
+    async def _note_all_exits(self) -> None:
+        assert self.cluster is not None
+        await self._note_exits(self.cluster, self._nem_for(self.cluster))
+
+    def _nem_for(self, c: Cluster) -> Any:
+        """The nemesis acting on ``c`` (None before the nemesis exists)."""
+        return self.nem
+
     async def _nemesis_loop(
-        self, nem: Nemesis, wl: Workload, kinds: list[str], rng: random.Random
+        self, nem: Any, wl: Workload, kinds: list[str], rng: random.Random
     ) -> None:
         cfg = self.cfg
-        c = self.cluster
-        assert c is not None
         end = time.monotonic() + cfg.time_limit_s
         last_progress = time.monotonic()
         k = 0
@@ -300,11 +315,11 @@ class Runner:
                 # A replica that stopped during the quiet time (REPLICA_DIVERGED
                 # once the leader reached it, after a power loss) is rebuilt
                 # before the next fault can take the cluster's last quorum.
-                await self._note_exits(c, nem)
+                await self._note_all_exits()
                 await nem.start(kind, shape)
                 await self._sleep_until(rng.uniform(*cfg.fault_s), end)
                 await nem.heal()
-            await self._note_exits(c, nem)
+            await self._note_all_exits()
             await self._sleep_until(rng.uniform(*cfg.quiet_s), end)
             if time.monotonic() - last_progress >= 10:
                 last_progress = time.monotonic()
@@ -315,7 +330,7 @@ class Runner:
         # observed rather than cut off by the end of the run.
         self.log(f"all faults healed; the workload runs {cfg.recovery_s:.0f} s more")
         await asyncio.sleep(cfg.recovery_s)
-        await self._note_exits(c, nem)
+        await self._note_all_exits()
 
     def _plan(self, kinds: list[str], rng: random.Random) -> list[tuple[str, str | None]]:
         """The schedule's steps this run can make (printed), before the round robin."""
@@ -333,7 +348,7 @@ class Runner:
     async def _sleep_until(self, seconds: float, end: float) -> None:
         await asyncio.sleep(max(0.0, min(seconds, end - time.monotonic() + 0.5)))
 
-    async def _note_exits(self, c: Cluster, nem: Nemesis | None) -> None:
+    async def _note_exits(self, c: Cluster, nem: Any) -> None:
         for rec in c.check_exits():
             node = rec["node"]
             if nem is not None and node in nem.corrupted:
@@ -388,12 +403,12 @@ class Runner:
         for i in c.ids:
             if c.members[i].paused:
                 c.signal(i, signal.SIGCONT)
-        await self._note_exits(c, self.nem)
+        await self._note_exits(c, self._nem_for(c))
         for i in c.ids:
             if not c.alive(i) and not c.members[i].exits:
                 c.start(i)
         await asyncio.sleep(1.0)  # a node that crashes again at start-up shows now
-        await self._note_exits(c, self.nem)
+        await self._note_exits(c, self._nem_for(c))
         down = [i for i in c.ids if not c.alive(i)]
         if down:
             self.log(
@@ -447,6 +462,7 @@ class Runner:
             "flush": cfg.flush,
             "lazyfs": self.lazyfs,
             "wall_s": round(time.monotonic() - self.t0, 1),
+            **self._run_info(),
         }
         (cfg.out / "results.json").write_bytes(
             orjson.dumps(results, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS)
@@ -466,6 +482,11 @@ class Runner:
         print(render(results, str(cfg.out / "report.html")), flush=True)
         sys.stdout.flush()
         return {"valid": 0, "invalid": 1, "unknown": 2}[results["verdict"]]
+
+
+    def _run_info(self) -> dict[str, Any]:
+        """More facts about the run for ``results["run"]`` (subclasses)."""
+        return {}
 
 
 def summarize(results_path: Path) -> dict[str, Any]:

@@ -144,6 +144,18 @@ def reasons(results: dict[str, Any], max_per: int = 3) -> dict[str, list[str]]:
                     f"{ex['key']}: acknowledged {ex['value']!r} at offset {ex['offset']} was "
                     "lost, and no power loss of a majority followed it within the tail"
                 )
+        elif name == "groups":
+            for g, gr in r.get("groups", {}).items():
+                if gr.get("verdict") != "valid":
+                    lines.append(
+                        f"group {g}: {len(gr.get('unavailability', []))} gaps outside its faults, "
+                        f"{len(gr.get('unrecovered', []))} unrecovered windows"
+                    )
+            for op in r.get("unclean_ordered_failures", [])[:max_per]:
+                lines.append(
+                    f"ordered produce to {op.get('key')} (group {op.get('group')}) failed "
+                    f"with {op.get('error')!r}, not a documented refusal"
+                )
         elif name == "replicas":
             for ex in r.get("examples", [])[:max_per]:
                 held = "; ".join(f"{v!r} on nodes {ns}" for v, ns in ex["values"].items())
@@ -187,6 +199,17 @@ def detail(name: str, r: dict[str, Any]) -> str:
             f"in the unsynced tail of {r.get('majority_power_losses', 0)} majority power "
             f"loss(es) (oldest {r.get('max_ack_age_ms')} ms before it), "
             f"{r.get('lost_outside_tail', 0)} outside it"
+        )
+    if name == "groups":
+        av = r.get("unordered_availability")
+        un = r.get("unordered_in_outages", {})
+        outs = [o for o in r.get("outages", []) if o.get("group") != "controller"]
+        return (
+            f"{len(r.get('groups', {}))} groups, {len(outs)} whole-group outages: unordered "
+            f"produces {'-' if av is None else f'{av * 100:.1f}%'} acknowledged "
+            f"({un.get('ok', 0)}/{un.get('invoked', 0)}; never moving: "
+            f"{(r.get('naive_availability') or 0) * 100:.0f}%), "
+            f"{r.get('unclean_count', 0)} unclean ordered failures"
         )
     if name == "replicas":
         per = r.get("messages_per_node", {})

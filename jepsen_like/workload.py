@@ -42,6 +42,9 @@ from jepsen_like.history import Writer
 
 TOPIC = "jepsen"
 GROUP = "jepsen-group"
+# How long an unordered producer avoids a group that refused a message or
+# left its outcome unknown (the routing client's ``down_for_s``, 3 s).
+AVOID_S = 3.0
 
 
 def key_of(queue: int) -> str:
@@ -79,11 +82,18 @@ class Stats:
 
 
 class Http:
-    """Redirect-following JSON over aiohttp, with a per-request deadline."""
+    """Redirect-following JSON over aiohttp, with a per-request deadline.
 
-    def __init__(self, nodes: list[str], timeout_s: float) -> None:
+    ``routes`` (a multi-group run): queue -> the HTTP addresses of the group
+    that owns it; a request for a queue goes to one of those nodes, as the
+    routing client would send it (other requests go to ``nodes``)."""
+
+    def __init__(
+        self, nodes: list[str], timeout_s: float, routes: dict[int, list[str]] | None = None
+    ) -> None:
         self.nodes = nodes
         self.timeout_s = timeout_s
+        self.routes = routes
         self._session: aiohttp.ClientSession | None = None
 
     async def open(self) -> None:
@@ -104,9 +114,13 @@ class Http:
         json: Any = None,
         timeout_s: float | None = None,
         rng: random.Random | None = None,
+        queue: int | None = None,
     ) -> Reply:
         assert self._session is not None
-        host = node or (rng or random).choice(self.nodes)
+        pool = self.nodes
+        if self.routes is not None and queue is not None:
+            pool = self.routes[queue]
+        host = node or (rng or random).choice(pool)
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         url = f"http://{host}{path}"
         for _hop in range(4):
@@ -186,6 +200,8 @@ class Workload:
         op_timeout_s: float,
         clients_per_queue: int = 0,
         client_timeout_s: tuple[float, float] | None = None,
+        unordered: int = 0,
+        group_queues: dict[str, list[int]] | None = None,
     ) -> None:
         self.w = writer
         self.http = http
@@ -204,6 +220,19 @@ class Workload:
         self.stop = asyncio.Event()
         self.high: dict[int, int] = dict.fromkeys(range(queues), 0)  # highest acked offset + 1
         self._next_process = 0
+        # A multi-group run: producers that let a message move to another
+        # group's queue when its group refuses it or times out (unordered
+        # messages), and which queues each group owns.
+        self.unordered = unordered
+        self.group_queues = group_queues or {"": list(range(queues))}
+        # Every worker's (role, queue, process), fixed before any runs, so a
+        # history's header can say which processes are which.
+        self.plan: list[tuple[str, int | None, int]] = [
+            (role, q, self._process()) for role, q in self.roles()
+        ]
+
+    def processes_of(self, role: str) -> list[int]:
+        return [p for r, _q, p in self.plan if r == role]
 
     def _process(self) -> int:
         p = self._next_process
@@ -228,26 +257,28 @@ class Workload:
         return extra_s + rng.uniform(*self.client_timeout_s)
 
     # -- produce -----------------------------------------------------------------
-    async def _register(self, rng: random.Random) -> tuple[int, int] | None:
-        r = await self.http.call("POST", "/v1/producers?timeout_ms=2000", json={}, rng=rng)
+    async def _register(self, rng: random.Random, queue: int | None) -> tuple[int, int] | None:
+        # Producer sessions are per group: register with the queue's group.
+        r = await self.http.call(
+            "POST", "/v1/producers?timeout_ms=2000", json={}, rng=rng, queue=queue
+        )
         if r.status == 200 and isinstance(r.body, dict):
             return int(r.body["producer_id"]), int(r.body.get("epoch", 0))
         return None
 
-    async def producer(self, idempotent: bool, queue: int | None = None) -> None:
+    async def producer(self, process: int, idempotent: bool, queue: int | None = None) -> None:
         """Unique values to random queues. An idempotent producer's op spans its
         retries: it re-sends the same value with the same sequence number after
         an unknown outcome (the server answers a repeat with the original
         offsets), so the history holds one logical produce that took effect at
         most once, somewhere between the first send and the final answer."""
-        process = self._process()
         rng = random.Random(self.seed * 1000 + process)
         n = 0
         prod: tuple[int, int] | None = None
         seqs: dict[int, int] = {}
         while not self.stop.is_set():
             if idempotent and prod is None:
-                prod = await self._register(rng)
+                prod = await self._register(rng, queue)
                 seqs = {}
                 if prod is None:
                     await asyncio.sleep(0.2)
@@ -273,6 +304,7 @@ class Workload:
                     json=body,
                     rng=rng,
                     timeout_s=self._deadline(rng),
+                    queue=q,
                 )
                 st = write_outcome(r)
                 if st == "ok":
@@ -301,6 +333,50 @@ class Workload:
                 await asyncio.sleep(0.1 * attempts)
             await self._pause(rng, final)
 
+    async def unordered_producer(self, process: int) -> None:
+        """Unordered messages (no sharding key) in a multi-group run: each goes
+        to a queue of a group picked at random among those not avoided; a
+        group that refused a message (connection refused, ``503``, ``429``)
+        or left its outcome unknown (no answer, ``504``) is avoided for
+        ``AVOID_S``, so the next message moves to another group's queue, as
+        the routing client does. A message whose outcome is unknown is never
+        re-sent elsewhere (a copy in a second group would be a duplicate):
+        the op ends ``info`` and the next message is a new one."""
+        rng = random.Random(self.seed * 1000 + process)
+        avoid: dict[str, float] = {}
+        n = 0
+        while not self.stop.is_set():
+            now = time.monotonic()
+            groups = [g for g in self.group_queues if avoid.get(g, 0.0) <= now]
+            g = rng.choice(groups or list(self.group_queues))
+            q = rng.choice(self.group_queues[g])
+            value = f"u{process}-{n}"
+            n += 1
+            body = {"messages": [{"value": value, "encoding": "utf-8", "queue": q}]}
+            self.w.invoke(process, "produce", key_of(q), value=value)
+            r = await self.http.call(
+                "POST",
+                f"/v1/topics/{TOPIC}/messages?timeout_ms={self.timeout_ms}",
+                json=body,
+                rng=rng,
+                timeout_s=self._deadline(rng),
+                queue=q,
+            )
+            st = write_outcome(r)
+            if st == "ok":
+                try:
+                    off = int(r.body["messages"][0]["queue_offset"])
+                except (KeyError, IndexError, TypeError, ValueError):
+                    st = "info"
+                else:
+                    self._complete("ok", process, "produce", offset=off, node=r.node)
+                    self.high[q] = max(self.high[q], off + 1)
+            if st != "ok":
+                self._complete(st, process, "produce", error=_err(r), node=r.node)
+                avoid[g] = time.monotonic() + AVOID_S
+            # No back-off after a refusal: another group is there to take the next.
+            await self._pause(rng)
+
     # -- reads ------------------------------------------------------------------------
     async def read_once(
         self,
@@ -322,7 +398,7 @@ class Workload:
         )
         if timeout_s is None and rng is not None:
             timeout_s = self._deadline(rng)
-        r = await self.http.call("GET", path, rng=rng, node=node, timeout_s=timeout_s)
+        r = await self.http.call("GET", path, rng=rng, node=node, timeout_s=timeout_s, queue=q)
         if r.status == 416 and isinstance(r.body, dict):
             err = r.body.get("error", {})
             hi = err.get("max_offset") if isinstance(err, dict) else None
@@ -346,12 +422,11 @@ class Workload:
         self._complete("ok", process, f, value=pairs, end=end, node=r.node)
         return "ok", pairs, nxt
 
-    async def reader(self, queue: int | None = None) -> None:
+    async def reader(self, process: int, queue: int | None = None) -> None:
         """Reads near the head of the log. With a fixed queue (the contended
         workload), most reads start at or just below the highest acknowledged
         offset with a small limit, racing the producers: their results end
         with ``end=true`` (the log's end) or ``end=false`` (more behind)."""
-        process = self._process()
         rng = random.Random(self.seed * 1000 + process)
         while not self.stop.is_set():
             q = rng.randrange(self.queues) if queue is None else queue
@@ -368,8 +443,7 @@ class Workload:
             await self._pause(rng, st)
 
     # -- consumer group ------------------------------------------------------------------
-    async def poller(self, index: int) -> None:
-        process = self._process()
+    async def poller(self, process: int, index: int) -> None:
         rng = random.Random(self.seed * 1000 + process)
         q = index % self.queues
         pos: int | None = None
@@ -386,6 +460,7 @@ class Workload:
                     f"/v1/groups/{GROUP}/offsets?topic={TOPIC}&consistency=linearizable"
                     f"&timeout_ms={self.timeout_ms}",
                     rng=rng,
+                    queue=q,
                 )
                 st = read_outcome(r)
                 if st != "ok":
@@ -406,6 +481,7 @@ class Workload:
                 f"&encoding=utf-8&wait_ms=200",
                 rng=rng,
                 timeout_s=self._deadline(rng, extra_s=0.2),  # on top of the long poll
+                queue=q,
             )
             if r.status == 416:
                 self._complete("ok", process, "poll", value=[], node=r.node)
@@ -438,14 +514,19 @@ class Workload:
                     json={"offsets": [{"topic": TOPIC, "queue": q, "offset": pos}]},
                     rng=rng,
                     timeout_s=self._deadline(rng),
+                    queue=q,
                 )
                 st = write_outcome(r)
                 self._complete(st, process, "commit_offset", error=None if st == "ok" else _err(r))
             await self._pause(rng)
 
     # -- final reads ----------------------------------------------------------------------
-    async def final_reads(self, leader_http: str | None, deadline_s: float) -> bool:
-        """Read every queue from 0 to its end, linearizably; True when all completed."""
+    async def final_reads(
+        self, leader_http: str | dict[int, str | None] | None, deadline_s: float
+    ) -> bool:
+        """Read every queue from 0 to its end, linearizably; True when all
+        completed. ``leader_http``: the leader, or (several groups) each
+        queue's group's leader."""
         process = self._process()
         rng = random.Random(self.seed * 1000 + process)
         complete = True
@@ -461,7 +542,7 @@ class Workload:
                     500,
                     f="final_read",
                     rng=rng,
-                    node=leader_http,
+                    node=leader_http.get(q) if isinstance(leader_http, dict) else leader_http,
                     timeout_s=5.0,
                 )
                 if st != "ok":
@@ -505,16 +586,19 @@ class Workload:
             out += [("plain", None)] * max(0, self.producers - self.idempotent)
             out += [("reader", None)] * self.readers
         out += [("poller", k) for k in range(self.pollers)]
+        out += [("unordered", None)] * self.unordered
         return out
 
     def tasks(self) -> list[asyncio.Task[None]]:
         out = []
-        for role, q in self.roles():
+        for role, q, p in self.plan:
             if role in ("plain", "idempotent"):
-                out.append(asyncio.create_task(self.producer(role == "idempotent", q)))
+                out.append(asyncio.create_task(self.producer(p, role == "idempotent", q)))
             elif role == "reader":
-                out.append(asyncio.create_task(self.reader(q)))
+                out.append(asyncio.create_task(self.reader(p, q)))
+            elif role == "unordered":
+                out.append(asyncio.create_task(self.unordered_producer(p)))
             else:
                 assert q is not None
-                out.append(asyncio.create_task(self.poller(q)))
+                out.append(asyncio.create_task(self.poller(p, q)))
         return out

@@ -23,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from jepsen_like.checkers import linearizable, queue, recovery
+from jepsen_like.checkers import groups, linearizable, queue, recovery
 from jepsen_like.checkers.linearizable import LinConfig
 from jepsen_like.checkers.load import load
 from jepsen_like.checkers.queue import QueueConfig
@@ -61,6 +61,9 @@ def check_history(
         "queue": queue.check(history, queue_config),
         "recovery": recovery.check(history, recovery_config),
     }
+    if "queue_groups" in history.header:
+        # A multi-group run's history (its header records the layout).
+        results["groups"] = groups.check(history, recovery_config)
     return {
         "verdict": combine([r["verdict"] for r in results.values()]),
         "ops": len(history.ops),

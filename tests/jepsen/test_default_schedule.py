@@ -15,15 +15,13 @@ Deselect with ``-m 'not jepsen'``.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from jepsen_like import net
+from tests.jepsen.harness_run import run
 
 pytestmark = pytest.mark.jepsen
 
@@ -32,17 +30,10 @@ needs_netns = pytest.mark.skipif(NETNS is not None, reason=f"needs network names
 
 
 def default_run(out: Path, seed: int, *fault: str) -> tuple[int, dict[str, Any], str]:
-    argv = [sys.executable, "-m", "jepsen_like", "run", "--nemesis", "all"]
-    argv += ["--time-limit", "60", "--seed", str(seed), "--out", str(out)]
+    args = ["--nemesis", "all", "--time-limit", "60", "--seed", str(seed)]
     for f in fault:
-        argv += ["--fault", f]
-    p = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
-    path = out / "results.json"
-    if not path.exists():
-        pytest.fail(
-            f"no results.json (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-        )
-    return p.returncode, json.loads(path.read_text()), p.stdout
+        args += ["--fault", f]
+    return run(out, *args, timeout_s=600, short_faults=False)
 
 
 def _schedule_covered(res: dict[str, Any]) -> None:

@@ -9,11 +9,8 @@ nemesis and says so when it is missing).
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,71 +19,12 @@ import pytest
 from dledger import faults
 from dledger.errors import ConfigError
 from jepsen_like import net
-from jepsen_like.control import LOCK_FD_ENV, RunLock
+from tests.jepsen.harness_run import run
 
 pytestmark = pytest.mark.jepsen
 
 NETNS = net.available()
 needs_netns = pytest.mark.skipif(NETNS is not None, reason=f"needs network namespaces: {NETNS}")
-
-
-_LOCK = RunLock()
-_HELD: list[bool] = []
-
-
-def _take_machine_lock() -> int:
-    """The harness's machine lock, taken here, before a run's clock (its
-    subprocess timeout) starts: a run that waited inside for another
-    session's run would spend its own time waiting. Held until the end of
-    this module; each run inherits it (``JEPSEN_LIKE_LOCK_FD``)."""
-    if not _HELD:
-        if not _LOCK.acquire(1800, lambda msg: print(msg, file=sys.stderr, flush=True)):
-            pytest.fail("another jepsen_like run held the machine lock for 30 minutes")
-        _HELD.append(True)
-    return _LOCK.fileno()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _release_machine_lock() -> Iterator[None]:
-    yield
-    if _HELD:
-        _HELD.clear()
-        _LOCK.release()
-
-
-def run(out: Path, *args: str, timeout_s: float = 240) -> tuple[int, dict[str, Any], str]:
-    fd = _take_machine_lock()
-    argv = [
-        sys.executable,
-        "-m",
-        "jepsen_like",
-        "run",
-        "--out",
-        str(out),
-        "--fault-seconds",
-        "2.5",
-        "4",
-        "--quiet-seconds",
-        "2",
-        "3",
-        *args,
-    ]
-    env = dict(os.environ, **{LOCK_FD_ENV: str(fd)})
-    p = subprocess.run(
-        argv,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        check=False,
-        env=env,
-        pass_fds=(fd,),
-    )
-    results_path = out / "results.json"
-    if not results_path.exists():
-        pytest.fail(
-            f"no results.json (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-        )
-    return p.returncode, json.loads(results_path.read_text()), p.stdout
 
 
 def anomalies(res: dict[str, Any]) -> set[str]:

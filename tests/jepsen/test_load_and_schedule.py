@@ -81,7 +81,7 @@ def test_schedule_option_parsing() -> None:
 
 def test_contended_roles_give_each_queue_its_own_clients() -> None:
     wl = Workload.__new__(Workload)
-    wl.queues, wl.clients_per_queue, wl.pollers = 3, 12, 3
+    wl.queues, wl.clients_per_queue, wl.pollers, wl.unordered = 3, 12, 3, 0
     roles = wl.roles()
     for q in range(3):
         mine = [r for r, qq in roles if qq == q and r != "poller"]
@@ -89,6 +89,10 @@ def test_contended_roles_give_each_queue_its_own_clients() -> None:
         assert mine.count("idempotent") == 2 and mine.count("plain") == 4
         assert mine.count("reader") == 6
     assert [q for r, q in roles if r == "poller"] == [0, 1, 2]
+    assert not [r for r, _ in roles if r == "unordered"]
+    # A multi-group run adds producers of unordered messages, queue picked per message.
+    wl.unordered = 4
+    assert [(r, q) for r, q in wl.roles() if r == "unordered"] == [("unordered", None)] * 4
 
 
 def test_reasons_are_sentences_naming_the_ops() -> None:

@@ -16,6 +16,7 @@ from dledger.cmode.master import CmodeConfig
 from dledger.cmode.node import CmodeNode, NotInSync
 from dledger.config import MemberSpec, NodeConfig
 from dledger.errors import NotLeader
+from dledger.node import OutcomeUnknown
 from dledger.runtime import NodeEnv
 from dledger.statemachine import LogStateMachine
 from dledger.transport.memory import MemoryNetwork
@@ -146,7 +147,7 @@ async def test_a_new_master_truncates_the_old_masters_unconfirmed_tail(tmp_path:
         m.assign(2, 2, frozenset({2, 3}), 2)
         await until(lambda: m._st().last_index() == 6 and m.applied == 6, 10)
         for f in lost:
-            with pytest.raises(Exception):  # noqa: B017, PT011 - OutcomeUnknown, whatever the path
+            with pytest.raises(OutcomeUnknown):
                 await f
         assert records(m) == records(g.nodes[2])
         assert [e.epoch for e in m.epochs] == [1, 2] and m.counters["truncated_entries"] == 3

@@ -39,6 +39,10 @@ master's max):
 * 3-3 (slave min > master max): the master lost data the slave holds
   beyond anything the master has: manual intervention, the slave refuses.
 
+Two logs with no epoch in common agree only on the empty prefix: the slave
+starts over from 0 when the master's log starts there (an unclean election
+of a replica that never received the old epochs), and refuses otherwise.
+
 Encoding (the epoch file, one per replica): magic ``DLEP``, version byte,
 count, then ``(epoch u64, start u64)`` pairs, then a CRC32 of everything
 before it. A file that fails its CRC is damaged and is never used.
@@ -268,12 +272,25 @@ def join_decision(
         )
     point = last_consistent_point(slave_epochs, slave_max, master_epochs, None)
     if point < 0:
+        # No epoch in common: the logs agree on nothing but the empty prefix
+        # (the master was elected unclean, or came back empty). From a
+        # master that still holds its log from the start, the slave starts
+        # over, losing all it held; otherwise nothing is safe to decide.
+        if master_min == 0:
+            return JoinDecision(
+                case,
+                JoinAction.FOLLOW,
+                0,
+                slave_max,
+                "the slave and the master share no epoch: the slave's log is dropped",
+            )
         return JoinDecision(
             case,
             JoinAction.REFUSE,
             slave_max,
             0,
-            "the slave and the master share no epoch: their logs never agreed",
+            "the slave and the master share no epoch, and the master's log does not start "
+            "at 0: manual intervention",
         )
     point = min(point, slave_max, master_max)
     if point < slave_min:

@@ -72,18 +72,22 @@ class CmodeNode:
     def __init__(
         self,
         cfg: NodeConfig,
-        make_state_machine: Callable[[], StateMachine],
-        cmode: CmodeConfig,
+        state_machine: StateMachine,
+        cmode: CmodeConfig | None = None,
         env: NodeEnv | None = None,
     ) -> None:
+        """``state_machine`` must be empty: its snapshot now is what a replay
+        from the start restores (the HTTP layer keeps a reference to it, so
+        it is reset in place, never replaced)."""
         cfg.validate()
+        cmode = cmode if cmode is not None else cfg.cmode_config()
         cmode.validate(len(cfg.members) or 1)
         self.cfg = cfg
         self.cmode = cmode
         self.env = env if env is not None else NodeEnv()
         self._clock = self.env.clock
-        self._make_sm = make_state_machine
-        self.state_machine = make_state_machine()
+        self.state_machine = state_machine
+        self._empty = state_machine.snapshot()
         self.applied = 0
         self.epochs = EpochMap()
         self.master_id = 0
@@ -455,7 +459,7 @@ class CmodeNode:
             self.applied,
         )
         self.counters["resets"] += 1
-        self.state_machine = self._make_sm()
+        self.state_machine.restore(self._empty)
         self.applied = 0
 
     async def _run(self) -> None:

@@ -125,8 +125,10 @@ def test_case_3_3_is_refused_for_an_operator() -> None:
     assert (d.case, d.action) == ("3-3", JoinAction.REFUSE)
 
 
-def test_no_common_epoch_is_refused() -> None:
+def test_no_common_epoch_starts_over_or_is_refused() -> None:
     d = join_decision(0, 400, emap((1, 0)), 0, 500, emap((2, 0)))
+    assert (d.action, d.offset, d.lost_bytes) == (JoinAction.FOLLOW, 0, 400)
+    d = join_decision(0, 400, emap((1, 0)), 100, 500, emap((2, 100)))
     assert d.action is JoinAction.REFUSE
 
 

@@ -56,7 +56,7 @@ class Group:
             return self.net.transport(node_id, on_message, list(peers))
 
         env = NodeEnv(make_transport=make_transport)
-        n = CmodeNode(cfg(self.tmp, nid), LogStateMachine, self.cmode, env)
+        n = CmodeNode(cfg(self.tmp, nid), LogStateMachine(), self.cmode, env)
         await n.start()
         self.nodes[nid] = n
         return n
@@ -181,3 +181,32 @@ async def test_restart_keeps_the_epoch_file_in_step_with_the_log(tmp_path: Path)
         assert dataclasses.asdict(g2.nodes[1].epochs.last) == {"epoch": 2, "start": 4}  # type: ignore[call-overload]
     finally:
         await g2.stop_all()
+
+
+async def test_an_unclean_election_resets_a_replica_that_applied_the_lost_tail(
+    tmp_path: Path,
+) -> None:
+    """AP settings: the master confirms alone, is cut off, and a slave that
+    never got its writes is elected (unclean). When the old master rejoins,
+    its applied writes are gone from the group's log: it truncates below
+    what it applied, resets its state machine and replays the new log."""
+    g = Group(tmp_path, CmodeConfig.ap(3))
+    for i in IDS:
+        await g.start(i)
+    try:
+        g.net.isolate(1)
+        g.assign(1, 1, {1}, 1)
+        for k in range(3):
+            await g.nodes[1].propose_entry(f"only-on-1-{k}".encode())
+        assert g.nodes[1].applied == 3
+        for i in (2, 3):
+            g.nodes[i].assign(2, 2, frozenset({2}), 2)
+        await until(g.nodes[2].leader_ready)
+        await g.nodes[2].propose_entry(b"on-2")
+        g.net.heal()
+        g.nodes[1].assign(2, 2, frozenset({2}), 2)
+        await until(lambda: g.nodes[1].applied == 1 and g.nodes[1]._st().last_index() == 1, 10)
+        assert g.nodes[1].counters["resets"] == 1
+        assert records(g.nodes[1]) == records(g.nodes[2])
+    finally:
+        await g.stop_all()

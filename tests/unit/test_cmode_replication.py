@@ -251,17 +251,33 @@ def test_a_deposed_master_is_not_followed() -> None:
     assert new.core.confirm == 5
 
 
-def test_a_slave_ahead_of_a_master_that_lost_data_is_refused() -> None:
+def test_a_master_that_came_back_empty_makes_its_slave_start_over() -> None:
+    """The cost of electing a replica that lost its data (unclean): the
+    slave shares no epoch with it and drops everything it held."""
     w = World(5, loss=0.0)
     w.make_master(1, 1, {1, 2}, CmodeConfig())
     w.follow(2, 1, 1)
     w.write(1, 5)
     w.run(300)
-    # Node 1 comes back empty (its disk was replaced) and is made master of
-    # epoch 2: node 2's log shares no epoch with it.
-    w.r[1] = Replica(1)
+    assert w.r[2].log.last_index() == 5
+    w.r[1] = Replica(1)  # its disk was replaced
     w.make_master(1, 2, {1}, CmodeConfig())
+    w.write(1, 2)
     w.follow(2, 1, 2)
+    w.run(300)
+    assert w.entries(2) == w.entries(1) and len(w.entries(2)) == 2
+    assert not w.r[2].refused
+
+
+def test_case_3_3_is_refused_and_nothing_is_dropped() -> None:
+    w = World(5, loss=0.0)
+    w.make_master(1, 1, {1, 2}, CmodeConfig())
+    w.write(1, 2)
+    # Node 2 holds (3, 5]: its head was dropped, past the master's max (2).
+    w.r[2].log.append([Entry(i, 1, EntryType.NORMAL, b"x", i) for i in range(1, 6)])
+    w.r[2].log.compact(4, 1, 3)
+    w.r[2].epochs.append(1, 0)
+    w.follow(2, 1, 1)
     w.run(100)
-    assert "share no epoch" in w.r[2].refused or "3-3" in w.r[2].refused
-    assert w.r[2].log.last_index() == 5  # nothing dropped
+    assert "3-3" in w.r[2].refused
+    assert w.r[2].log.last_index() == 5

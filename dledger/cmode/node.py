@@ -52,7 +52,7 @@ from dledger.cmode.master import AlterRequest, CmodeConfig, MasterCore
 from dledger.cmode.replication import Action, Append, MasterLink, Refuse, Send, SlaveLink, Truncate
 from dledger.config import NodeConfig
 from dledger.core.types import Entry, EntryType, Role
-from dledger.errors import DLedgerError, NotLeader, ProposalDropped, StorageCorrupted
+from dledger.errors import ConfigError, DLedgerError, NotLeader, StorageCorrupted, Unavailable
 from dledger.node import Applied, NodeStopped, OutcomeUnknown, ReadResult
 from dledger.runtime import NodeEnv, NodeStorage, NodeTransport
 from dledger.statemachine import StateMachine
@@ -62,10 +62,17 @@ logger = logging.getLogger(__name__)
 EPOCH_FILE = "cmode-epochs.bin"
 
 
-class NotInSync(ProposalDropped):
+class NotInSync(Unavailable):
     """The SyncStateSet cannot confirm a write now (503)."""
 
     code = "NOT_IN_SYNC"
+
+
+class NotInControllerMode(ConfigError):
+    """A Raft-only operation (leadership transfer, membership change) asked
+    of a controller-mode node (422)."""
+
+    code = "NOT_IN_CONTROLLER_MODE"
 
 
 class CmodeNode:
@@ -377,13 +384,34 @@ class CmodeNode:
             raise NotLeader(self.master_id)
         return ReadResult(self.applied, self.applied, "master" if self._mlink else "local")
 
+    # What the HTTP layer asks of any node; Raft-only operations are refused.
+    fsync_seconds = None
+
+    async def transfer_leadership(self, to: int, timeout_s: float | None = None) -> None:
+        raise NotInControllerMode("controller mode: the controller group elects masters")
+
+    async def add_learner(self, node_id: int) -> Any:
+        raise NotInControllerMode("controller mode: the members are the group file's")
+
+    promote = remove = add_learner
+
     def status(self) -> dict[str, Any]:
         st = self._storage
         out: dict[str, Any] = {
             "id": self.cfg.node_id,
+            "cluster_id": self.cfg.cluster_id,
             "mode": "controller",
             "running": self.running,
-            "role": "master" if self._mlink is not None else ("slave" if self._slink else "none"),
+            # The names a Raft node's status uses, for tools that read both.
+            "role": "leader" if self._mlink is not None else "follower",
+            "term": self.epoch,
+            "leader": self.master_id,
+            "leader_http": self.http_address_of(self.master_id) if self.master_id else None,
+            "leader_ready": self.leader_ready(),
+            "commit": self.confirm,
+            "cmode_role": "master"
+            if self._mlink is not None
+            else ("slave" if self._slink else "none"),
             "master": self.master_id,
             "epoch": self.epoch,
             "epochs": [[e.epoch, e.start] for e in self.epochs],

@@ -26,7 +26,14 @@ MAGIC = b"DLCT"
 VERSION = 1
 _HDR = struct.Struct(">4sBI")
 
-OPS = ("heartbeat", "tick", "create_topic", "update_topic", "delete_topic")
+OPS = (
+    "heartbeat",
+    "tick",
+    "create_topic",
+    "update_topic",
+    "delete_topic",
+    "alter_sync_state_set",
+)
 
 
 def is_command(data: bytes) -> bool:
@@ -72,11 +79,18 @@ def heartbeat(
     knows_leader: bool,
     members: list[tuple[int, str]],
     routes_version: int = 0,
+    replica: dict[str, Any] | None = None,
 ) -> bytes:
     """One broker node's heartbeat: it is alive, whether it leads its group
     (a ready leader: it can take writes), whether it knows any leader at its
     ``term``, its group's address book, and (from a leader) the route-table
-    version its group has applied (created and deleted its queues for)."""
+    version its group has applied (created and deleted its queues for).
+
+    ``replica``: a node of a controller-mode group adds ``{"epoch": the
+    epoch it serves or follows, "max_offset": its CommitLog's length,
+    "unclean": its group's enable_elect_unclean_master}``; its ``leader``
+    means "I am the master of ``term`` (= that epoch) and take writes"."""
+    extra: dict[str, Any] = {} if replica is None else {"replica": replica}
     return encode(
         "heartbeat",
         ts_ms,
@@ -88,6 +102,7 @@ def heartbeat(
         knows_leader=knows_leader,
         routes_version=routes_version,
         members=[[i, a] for i, a in members],
+        **extra,
     )
 
 
@@ -105,3 +120,20 @@ def update_topic(ts_ms: int, topic: str, queues: int) -> bytes:
 
 def delete_topic(ts_ms: int, topic: str) -> bytes:
     return encode("delete_topic", ts_ms, topic=topic)
+
+
+def alter_sync_state_set(
+    ts_ms: int, group: str, master: int, epoch: int, sync_state_set_epoch: int, new_set: list[int]
+) -> bytes:
+    """A controller-mode master asks for a new SyncStateSet; applied only if
+    ``master`` and ``epoch`` are still the group's and the set it changes is
+    still ``sync_state_set_epoch``."""
+    return encode(
+        "alter_sync_state_set",
+        ts_ms,
+        group=group,
+        master=master,
+        epoch=epoch,
+        sync_state_set_epoch=sync_state_set_epoch,
+        new_set=sorted(new_set),
+    )

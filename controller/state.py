@@ -29,6 +29,19 @@ the moment the command applies; growing a topic places each new queue the
 same way by its own number; queue counts never shrink (their offsets would
 be lost). No live group: the command is refused (``NO_LIVE_GROUP``).
 
+Controller-mode groups (``dledger.cmode``). A group whose nodes heartbeat
+with a ``replica`` part replicates by master and slaves, and the controller
+chooses its master: after every applied heartbeat or tick, a group whose
+master is not alive (or that never had one) gets one from
+:func:`dledger.cmode.election.elect` (alive members of the SyncStateSet,
+the largest reported offset first; any alive member when the group allows
+unclean elections; at the very first election, any alive member), with a
+new **epoch** and a SyncStateSet of the new master alone. Only the master
+of the current epoch counts as the group's leader. ``alter_sync_state_set``
+applies a master's request only when the master, its epoch and the
+SyncStateSet's own epoch are still current (``STALE_EPOCH`` otherwise), so
+a deposed master can never change the set.
+
 Versions. ``version`` counts route-table changes (topic created, grown or
 deleted, a group registered or its address book changed). Each topic route
 keeps the ``version`` of its last change, so a cached route is current
@@ -56,6 +69,7 @@ from broker_adapter.errors import (
     UnknownTopic,
 )
 from controller import codec
+from dledger.cmode.election import elect
 from dledger.core.types import Entry, EntryType
 
 HEARTBEAT_INTERVAL_MS = 1000
@@ -69,6 +83,65 @@ class NoLiveGroup(BrokerError):
     """No broker group is live: a topic cannot be placed (503)."""
 
     code = "NO_LIVE_GROUP"
+
+
+class StaleEpoch(BrokerError):
+    """A controller-mode request from a master that is no longer the
+    group's, or about a SyncStateSet that changed since (409)."""
+
+    code = "STALE_EPOCH"
+
+
+@dataclass(slots=True)
+class ReplicaSet:
+    """A controller-mode group's replication state (see the module docstring)."""
+
+    master: int = 0  # 0: none (never elected, or no one electable)
+    epoch: int = 0
+    sync_state_set: list[int] = field(default_factory=list)
+    sync_state_set_epoch: int = 0
+    unclean: bool = False
+    offsets: dict[int, int] = field(default_factory=dict)  # member -> last reported max offset
+    elections: int = 0
+    last_election: str = ""
+
+    def value(self) -> list[Any]:
+        return [
+            self.master,
+            self.epoch,
+            self.sync_state_set,
+            self.sync_state_set_epoch,
+            self.unclean,
+            {str(i): o for i, o in sorted(self.offsets.items())},
+            self.elections,
+            self.last_election,
+        ]
+
+    @classmethod
+    def from_value(cls, v: list[Any]) -> ReplicaSet:
+        master, epoch, sss, sss_epoch, unclean, offsets, elections, last = v
+        return cls(
+            int(master),
+            int(epoch),
+            [int(i) for i in sss],
+            int(sss_epoch),
+            bool(unclean),
+            {int(i): int(o) for i, o in offsets.items()},
+            int(elections),
+            str(last),
+        )
+
+    def json(self) -> dict[str, Any]:
+        return {
+            "master": self.master,
+            "epoch": self.epoch,
+            "sync_state_set": self.sync_state_set,
+            "sync_state_set_epoch": self.sync_state_set_epoch,
+            "unclean": self.unclean,
+            "offsets": {str(i): o for i, o in sorted(self.offsets.items())},
+            "elections": self.elections,
+            "last_election": self.last_election,
+        }
 
 
 @dataclass(slots=True)
@@ -87,6 +160,7 @@ class GroupInfo:
     leader_term: int = 0
     leader_seen_ms: int = -1
     routes_version: int = 0  # the route-table version its leader reported applied
+    replica: ReplicaSet | None = None  # a controller-mode group
 
 
 @dataclass(slots=True)
@@ -133,9 +207,17 @@ class ControllerState:
             self.now_ms = ts
         op = cmd["op"]
         if op == "tick":
+            self._elections()
             return None
         if op == "heartbeat":
-            return self._heartbeat(cmd)
+            out = self._heartbeat(cmd)
+            self._elections()
+            g = self.groups[out["group"]]
+            if g.replica is not None:
+                out["replica"] = g.replica.json()
+            return out
+        if op == "alter_sync_state_set":
+            return self._alter_sync_state_set(cmd)
         if op == "create_topic":
             return self._create_topic(_name(cmd["topic"]), _queues(cmd["queues"]))
         if op == "update_topic":
@@ -166,7 +248,21 @@ class ControllerState:
                 changed = True
         m = g.members[nid]
         m.last_seen_ms, m.leader, m.term = self.now_ms, leader, term
-        if leader:
+        rep = cmd.get("replica")
+        if rep is not None:
+            r = g.replica
+            if r is None:
+                r = g.replica = ReplicaSet()
+                changed = True
+            r.offsets[nid] = int(rep["max_offset"])
+            r.unclean = bool(rep.get("unclean", False))
+            # The controller names the master: only the current epoch's
+            # master, saying it takes writes, is the group's leader.
+            if nid == r.master and leader and term == r.epoch:
+                g.leader, g.leader_term, g.leader_seen_ms = nid, term, self.now_ms
+            elif nid == r.master or nid == g.leader:
+                g.leader = 0
+        elif leader:
             if term >= g.leader_term:
                 g.leader, g.leader_term, g.leader_seen_ms = nid, term, self.now_ms
                 g.routes_version = int(cmd.get("routes_version", 0))
@@ -177,6 +273,76 @@ class ControllerState:
         if changed:
             self.version += 1
         return {"version": self.version, "group": name, "live": self.group_live(name)}
+
+    def _elections(self) -> None:
+        """Give every controller-mode group whose master is gone a new one."""
+        for name in sorted(self.groups):
+            g = self.groups[name]
+            r = g.replica
+            if r is None:
+                continue
+            alive = {i for i, m in g.members.items() if self.member_alive(m)}
+            if r.master != 0 and r.master in alive:
+                continue
+            if r.epoch == 0:
+                # The first master: nothing was written yet, anyone will do.
+                e = elect(
+                    master=None, sync_state_set=alive, alive=alive, offsets=r.offsets, unclean=False
+                )
+            else:
+                e = elect(
+                    master=r.master,
+                    sync_state_set=set(r.sync_state_set),
+                    alive=alive,
+                    offsets=r.offsets,
+                    unclean=r.unclean,
+                )
+            if e.master is None:
+                if r.master != 0 or not r.last_election.startswith("none"):
+                    r.last_election = f"none at {self.now_ms}: {e.reason}"
+                continue
+            r.epoch += 1
+            r.master = e.master
+            r.sync_state_set = [e.master]
+            r.sync_state_set_epoch += 1
+            r.elections += 1
+            r.last_election = f"epoch {r.epoch} at {self.now_ms}: {e.reason}"
+            if g.leader != 0:
+                g.leader = 0  # until the new master heartbeats as such
+            self.version += 1
+
+    def _alter_sync_state_set(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        name = broker_codec.check_name(cmd["group"], "group")
+        g = self.groups.get(name)
+        if g is None or g.replica is None:
+            raise InvalidArgument(f"{name!r} is not a controller-mode group", field="group")
+        r = g.replica
+        master, epoch = int(cmd["master"]), int(cmd["epoch"])
+        if master != r.master or epoch != r.epoch:
+            raise StaleEpoch(
+                f"group {name}: master {master} of epoch {epoch} is not the current "
+                f"master ({r.master}, epoch {r.epoch})"
+            )
+        if int(cmd["sync_state_set_epoch"]) != r.sync_state_set_epoch:
+            raise StaleEpoch(
+                f"group {name}: the SyncStateSet changed since (epoch "
+                f"{r.sync_state_set_epoch}, asked against {cmd['sync_state_set_epoch']})"
+            )
+        new = sorted({int(i) for i in cmd["new_set"]})
+        if master not in new:
+            raise InvalidArgument("a SyncStateSet must hold its master", field="new_set")
+        unknown = [i for i in new if i not in g.members]
+        if unknown:
+            raise InvalidArgument(f"members {unknown} are not in group {name}", field="new_set")
+        added = [i for i in new if i not in r.sync_state_set]
+        dead = [i for i in added if not self.member_alive(g.members[i])]
+        if dead:
+            raise InvalidArgument(
+                f"members {dead} are not alive: they cannot join", field="new_set"
+            )
+        r.sync_state_set = new
+        r.sync_state_set_epoch += 1
+        return {"group": name, **r.json()}
 
     def _place(self, queues: range) -> list[str]:
         live = self.live_groups()
@@ -258,6 +424,8 @@ class ControllerState:
                 }
                 for i, m in sorted(g.members.items())
             ],
+            "mode": "raft" if g.replica is None else "controller",
+            **({} if g.replica is None else {"replica": g.replica.json()}),
         }
 
     def route(self, topic: str) -> dict[str, Any]:
@@ -305,6 +473,7 @@ class ControllerState:
                         str(i): [m.http, m.last_seen_ms, m.leader, m.term]
                         for i, m in g.members.items()
                     },
+                    None if g.replica is None else g.replica.value(),
                 ]
                 for n, g in self.groups.items()
             },
@@ -334,8 +503,12 @@ class ControllerState:
                 int(v["now"]),
                 int(v["version"]),
             )
-            for n, (leader, lterm, lseen, rver, members) in v["groups"].items():
+            for n, row in v["groups"].items():
+                # Five fields before controller mode, six since (the replica set).
+                leader, lterm, lseen, rver, members = row[:5]
                 g = GroupInfo(str(n), {}, int(leader), int(lterm), int(lseen), int(rver))
+                if len(row) > 5 and row[5] is not None:
+                    g.replica = ReplicaSet.from_value(row[5])
                 for i, (http, seen, lead, term) in members.items():
                     g.members[int(i)] = MemberInfo(str(http), int(seen), bool(lead), int(term))
                 st.groups[g.name] = g

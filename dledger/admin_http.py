@@ -31,6 +31,7 @@ from dledger.errors import (
     ProposalDropped,
     StorageCorrupted,
     TransferInProgress,
+    Unavailable,
 )
 from dledger.http_auth import (
     ROUTE_ROLES,
@@ -89,6 +90,7 @@ STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (EntryTooLarge, 413),
     (Overloaded, 429),
     (TransferInProgress, 503),
+    (Unavailable, 503),
     (NodeStopped, 503),
     (StorageCorrupted, 503),
     (OutcomeUnknown, 504),
@@ -342,9 +344,7 @@ def make_app(node: Node) -> web.Application:
     middlewares: list[Any] = [_errors]
     if node.cfg.auth is not None:
         middlewares.append(auth_middleware(node.cfg.auth))  # inside _errors: errors enveloped
-    app = web.Application(
-        middlewares=middlewares, client_max_size=node.cfg.http_body_cap_bytes
-    )
+    app = web.Application(middlewares=middlewares, client_max_size=node.cfg.http_body_cap_bytes)
     app[NODE_KEY] = node
     app[ROUTE_ROLES] = dict(ADMIN_ROUTE_ROLES)
     app.router.add_get("/raft/status", _status)

@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Literal, cast
 
 from dledger import faults
+from dledger.cmode.master import CmodeConfig
 from dledger.core.types import ClusterConfig, RaftConfig
 from dledger.errors import ConfigError
 from dledger.transport.frames import DEFAULT_MAX_FRAME_SIZE
@@ -224,11 +225,36 @@ class NodeConfig:
     # Broker: a produce to an unknown topic creates it with this many queues
     # (0: it is refused with UNKNOWN_TOPIC).
     auto_create_topic_queues: int = 0
+    # How the group replicates: "raft" (quorum commit, elections inside the
+    # group, a leader lease) or "controller" (RocketMQ 5's design,
+    # dledger.cmode: a master the controller group elects, slaves, a
+    # SyncStateSet; needs a group file naming the controller). The settings
+    # below are the seed's, for "controller" only.
+    replication: str = "raft"
+    all_ack_in_sync_state_set: bool = False
+    in_sync_replicas: int = 1
+    min_in_sync_replicas: int = 1
+    enable_auto_in_sync_replicas: bool = False
+    enable_elect_unclean_master: bool = False
+    ha_max_gap_bytes: int = 256 << 10
+    ha_max_lag_ms: int = 3000
     # Planted bugs (simulator and checker self-tests only): core switches
     # (dledger.core.raft.CORE_FAULTS) and node ones (dledger.node.NODE_FAULTS).
     faults: frozenset[str] = frozenset()
 
     # -- derived -------------------------------------------------------------
+    def cmode_config(self) -> CmodeConfig:
+        """The controller-mode settings."""
+        return CmodeConfig(
+            all_ack_in_sync_state_set=self.all_ack_in_sync_state_set,
+            in_sync_replicas=self.in_sync_replicas,
+            min_in_sync_replicas=self.min_in_sync_replicas,
+            enable_auto_in_sync_replicas=self.enable_auto_in_sync_replicas,
+            enable_elect_unclean_master=self.enable_elect_unclean_master,
+            max_gap_bytes=self.ha_max_gap_bytes,
+            max_lag_ms=self.ha_max_lag_ms,
+        )
+
     @property
     def election_timeout_ms(self) -> int:
         return self.election_ticks * self.tick_ms
@@ -371,6 +397,12 @@ class NodeConfig:
             raise ConfigError(
                 f"state_machine must be 'broker' or 'log', got {self.state_machine!r}"
             )
+        if self.replication not in ("raft", "controller"):
+            raise ConfigError(
+                f"replication must be 'raft' or 'controller', got {self.replication!r}"
+            )
+        if self.replication == "controller":
+            self.cmode_config().validate(len(self.members) or 1)
         if not 0 <= self.auto_create_topic_queues <= 1024:
             raise ConfigError(
                 f"auto_create_topic_queues must be within 0..1024, got {self.auto_create_topic_queues}"
@@ -514,7 +546,10 @@ def _parse_settings(raw: object) -> tuple[tuple[str, object], ...]:
     out: list[tuple[str, object]] = []
     for key, value in sorted(t.items()):
         default = TUNABLES[key]
-        if isinstance(default, int) and (not isinstance(value, int) or isinstance(value, bool)):
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ConfigError(f"node.{key} must be true or false, got {value!r}")
+        elif isinstance(default, int) and (not isinstance(value, int) or isinstance(value, bool)):
             raise ConfigError(f"node.{key} must be an integer, got {value!r}")
         if isinstance(default, str) and not isinstance(value, str):
             raise ConfigError(f"node.{key} must be a string, got {value!r}")

@@ -37,6 +37,14 @@ class Overloaded(DLedgerError):
     code = "OVERLOADED"
 
 
+class Unavailable(DLedgerError):
+    """The group cannot take this write now, and said so before taking it
+    (for example: controller mode's SyncStateSet is below
+    ``min_in_sync_replicas``). 503, retry later."""
+
+    code = "UNAVAILABLE"
+
+
 class Compacted(DLedgerError):
     """The requested log index was removed by front truncation."""
 

@@ -42,6 +42,7 @@ from broker_adapter.codec import CommandKind
 from broker_adapter.errors import BrokerError
 from broker_adapter.node_sm import BrokerStateMachine
 from controller.state import HEARTBEAT_INTERVAL_MS, route_from_table
+from dledger.cmode.node import CmodeNode
 from dledger.core.types import Role
 from dledger.http_auth import RouteRole
 from dledger.node import Node
@@ -58,7 +59,7 @@ FORWARD_RETRY_S = 5.0
 
 
 class GroupAgent:
-    def __init__(self, node: Node, sm: BrokerStateMachine, gf: GroupFile) -> None:
+    def __init__(self, node: Node | CmodeNode, sm: BrokerStateMachine, gf: GroupFile) -> None:
         self.node = node
         self.sm = sm
         self.group = gf.name
@@ -132,7 +133,13 @@ class GroupAgent:
             "members": [[m.id, m.http_address] for m in node.cfg.members],
             "routes_version": self.reconciled if leader else 0,
         }
+        cm = node if isinstance(node, CmodeNode) else None  # controller mode
+        if cm is not None:
+            body["replica"] = cm.replica_info()
+            body["term"] = cm.epoch
         res = await self._hb.request("POST", "/v1/heartbeat", body, safe=True)
+        if cm is not None:
+            await self._cmode(cm, res)
         self.last_ok_ms = int(time.time() * 1000)
         if self.last_error:
             logger.info("controller heartbeat answered again")
@@ -142,6 +149,45 @@ class GroupAgent:
             self.table = await self._hb.request("GET", "/v1/routes", safe=True)
         if leader and self.table is not None and self.reconciled < int(self.table["version"]):
             await self.reconcile(self.table)
+
+    async def _cmode(self, cm: CmodeNode, res: dict[str, Any]) -> None:
+        """Controller mode: take the controller's word (master, epoch,
+        SyncStateSet), then, as master, ask for the SyncStateSet change the
+        master's rules want (the controller checks the epochs)."""
+        rep = res.get("replica")
+        if not isinstance(rep, dict):
+            return
+        cm.assign(
+            int(rep["master"]),
+            int(rep["epoch"]),
+            frozenset(int(i) for i in rep["sync_state_set"]),
+            int(rep["sync_state_set_epoch"]),
+        )
+        req = cm.poll_alter_request()
+        if req is None:
+            return
+        assert self._hb is not None
+        body = {
+            "master": cm.cfg.node_id,
+            "epoch": req.epoch,
+            "sync_state_set_epoch": req.sync_state_set_epoch,
+            "new_set": sorted(req.new_set),
+        }
+        try:
+            out = await self._hb.request(
+                "POST", f"/v1/brokers/{self.group}/sync-state-set", body, safe=False
+            )
+        except (ApiError, UnavailableError) as exc:
+            logger.info("SyncStateSet change %s not made: %s", sorted(req.new_set), exc)
+            cm.alter_failed()
+            return
+        logger.info("SyncStateSet now %s (%s)", out.get("sync_state_set"), req.reason)
+        cm.assign(
+            int(out["master"]),
+            int(out["epoch"]),
+            frozenset(int(i) for i in out["sync_state_set"]),
+            int(out["sync_state_set_epoch"]),
+        )
 
     async def reconcile(self, table: dict[str, Any]) -> None:
         """Make this group's log hold the queues the table gives it (leader only)."""

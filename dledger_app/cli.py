@@ -37,7 +37,7 @@ import secrets
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
@@ -45,6 +45,7 @@ from broker_adapter.node_sm import BrokerStateMachine
 from controller.node_sm import ControllerStateMachine
 from dledger.admin_http import AdminServer
 from dledger.cluster import DEFAULT_DIR, LocalCluster
+from dledger.cmode.node import CmodeNode
 from dledger.config import NodeConfig, load_cluster_file
 from dledger.errors import ConfigError, StorageCorrupted, StorageFailed
 from dledger.http_auth import ROUTE_ROLES as APP_ROUTE_ROLES
@@ -80,8 +81,20 @@ def _setup_logging(level: str, node_id: int) -> None:
 async def run_node(cfg: NodeConfig, group: GroupFile | None = None) -> int:
     """Run one node until SIGTERM/SIGINT or a fatal error; returns the exit code.
     ``group``: the node's group file (a multi-group deployment), if any."""
+    node: Node
     if group is not None and group.role == "controller":
         node = Node(cfg, ControllerStateMachine())
+    elif cfg.replication == "controller":
+        # Controller mode (dledger.cmode): the controller group elects the
+        # master, so a group file naming it is required. The HTTP layer and
+        # the agent use the same few calls of either kind of node.
+        if group is None or group.role != "broker":
+            logger.critical(
+                'replication = "controller" needs a broker group file (group.toml) naming '
+                "the controller group: see docs/groups.md"
+            )
+            return EXIT_OPERATOR
+        node = cast(Node, CmodeNode(cfg, make_state_machine(cfg)))
     else:
         node = Node(cfg, make_state_machine(cfg))
     try:

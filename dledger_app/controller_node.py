@@ -71,6 +71,7 @@ def _int_field(
 # (dledger.http_auth; routes not listed need "admin").
 ROUTE_ROLES: dict[tuple[str, str], RouteRole] = {
     ("POST", "/v1/heartbeat"): "admin",
+    ("POST", "/v1/brokers/{group}/sync-state-set"): "admin",
     ("GET", "/v1/routes"): "any",
     ("GET", "/v1/routes/{topic}"): "any",
     ("GET", "/v1/brokers"): "any",
@@ -100,6 +101,7 @@ class ControllerApi:
         g = self._guard
         return [
             web.post("/v1/heartbeat", g(self.heartbeat)),
+            web.post("/v1/brokers/{group}/sync-state-set", g(self.alter_sync_state_set)),
             web.get("/v1/routes", g(self.table)),
             web.get("/v1/routes/{topic}", g(self.route)),
             web.get("/v1/brokers", g(self.brokers)),
@@ -208,6 +210,15 @@ class ControllerApi:
         http = b.get("http")
         if not isinstance(http, str):
             raise InvalidArgument("http must be host:port", field="http")
+        replica = b.get("replica")
+        if replica is not None:
+            if not isinstance(replica, dict):
+                raise InvalidArgument("replica must be an object", field="replica")
+            replica = {
+                "epoch": _int_field(replica, "epoch", 0, 1 << 62),
+                "max_offset": _int_field(replica, "max_offset", 0, 1 << 62),
+                "unclean": bool(replica.get("unclean", False)),
+            }
         data = codec.heartbeat(
             now_ms(),
             broker_codec.check_name(b.get("group"), "group"),
@@ -218,9 +229,29 @@ class ControllerApi:
             knows_leader=bool(b.get("knows_leader", True)),
             members=[(int(i), str(a)) for i, a in members],
             routes_version=_int_field(b, "routes_version", 0, 1 << 62, 0),
+            replica=replica,
         )
         res = await self._propose(data, timeout_s=3.0)
         return json_response(res)
+
+    async def alter_sync_state_set(self, request: web.Request) -> web.Response:
+        """A controller-mode master asks for a new SyncStateSet (409
+        STALE_EPOCH when it is no longer the master, or the set moved on)."""
+        b = await self._body(request)
+        new_set = b.get("new_set")
+        if not isinstance(new_set, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in new_set
+        ):
+            raise InvalidArgument("new_set must be a list of node ids", field="new_set")
+        data = codec.alter_sync_state_set(
+            now_ms(),
+            broker_codec.check_name(request.match_info["group"], "group"),
+            _int_field(b, "master", 1, 1 << 31),
+            _int_field(b, "epoch", 1, 1 << 62),
+            _int_field(b, "sync_state_set_epoch", 0, 1 << 62),
+            new_set,
+        )
+        return json_response(await self._propose(data, timeout_s=3.0))
 
     async def _read(self) -> None:
         await self.node.read("committed")

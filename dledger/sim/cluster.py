@@ -680,7 +680,11 @@ class Simulation:
                 f"node {host.nid} restores a snapshot at {index} but its state machine "
                 f"already applied {host.sm.index} (a stale snapshot is never installed)"
             )
-        if index and self.cfg.flush != "async" and self.digest_at.setdefault(index, digest) != digest:
+        if (
+            index
+            and self.cfg.flush != "async"
+            and self.digest_at.setdefault(index, digest) != digest
+        ):
             self.fail(
                 f"state machine safety: node {host.nid} restored a snapshot at {index} whose "
                 "applied-prefix digest differs from what other nodes applied there"

@@ -330,7 +330,11 @@ class LostRewrite(_Script):
             if term == 0:
                 self.phase = 0
                 return
-            if pr is not None and pr.match >= self.old_last and o.log.match_term(self.old_last, term):
+            if (
+                pr is not None
+                and pr.match >= self.old_last
+                and o.log.match_term(self.old_last, term)
+            ):
                 sim.trace(f"scenario: n{self.old} took the new tail; loses power")
                 sim.crash(self.old, self.rng.uniform(0.002, 0.01))
                 self.deadline = sim.now + 0.3

@@ -75,6 +75,35 @@ GROUPS_REQUIRED: tuple[tuple[str, str], ...] = (
     ("clock", "step"),
 )
 GROUP_SHAPES = {k: SHAPES[k] for k in GROUP_KINDS}
+# What controller mode cannot be put through: the corrupt nemesis rebuilds a
+# damaged replica only once leadership transfers have moved the term past
+# every vote it could have cast, a Raft notion (controller mode has no
+# votes; its masters are elected by the controller).
+NOT_IN_CONTROLLER_MODE = ("corrupt",)
+
+
+def cmode_settings(preset: str, replicas: int) -> dict[str, int | str | bool]:
+    """The cluster-file settings of a controller-mode broker group:
+    ``cp`` (every member of the SyncStateSet acknowledges, at least a
+    majority in it) or ``ap`` (adaptive degradation down to the master
+    alone, unclean elections), as docs/controller-mode.md describes."""
+    majority = replicas // 2 + 1
+    if preset == "cp":
+        return {
+            "replication": "controller",
+            "all_ack_in_sync_state_set": True,
+            "in_sync_replicas": majority,
+            "min_in_sync_replicas": majority,
+        }
+    if preset == "ap":
+        return {
+            "replication": "controller",
+            "in_sync_replicas": replicas,
+            "min_in_sync_replicas": 1,
+            "enable_auto_in_sync_replicas": True,
+            "enable_elect_unclean_master": True,
+        }
+    raise ValueError(f"unknown controller-mode preset {preset!r} (cp, ap)")
 
 
 class GroupNemesis:
@@ -203,7 +232,7 @@ class GroupsRunner(Runner):
         return plan
 
     # -- set-up ------------------------------------------------------------------------
-    def _layout_clusters(self, settings: dict[str, int | str]) -> None:
+    def _layout_clusters(self, settings: dict[str, int | str | bool]) -> None:
         cfg = self.cfg
         root = cfg.out / "cluster"
         shutil.rmtree(root, ignore_errors=True)
@@ -287,11 +316,17 @@ class GroupsRunner(Runner):
     async def _run(self, kinds: list[str], hist: Any) -> None:
         cfg = self.cfg
         rng = random.Random(cfg.seed)
-        settings: dict[str, int | str] = {"snapshot_every_entries": 4000}
+        settings: dict[str, int | str | bool] = {"snapshot_every_entries": 4000}
         if cfg.flush != "sync":
             settings["flush"] = cfg.flush
         settings.update(cfg.node_settings)
         self._layout_clusters(settings)
+        if cfg.replication == "controller":
+            broker = cmode_settings(cfg.cmode, cfg.nodes)
+            for c in self.groups.values():
+                c.node_settings.update(broker)
+                c.write_cluster_file()
+            self.log(f"broker groups in controller mode ({cfg.cmode}): {broker}")
         assert self.ctl is not None
         ctl = self.ctl
         ctl.start_all()
@@ -351,6 +386,8 @@ class GroupsRunner(Runner):
             "node_env": sorted(cfg.node_env),
             "flush": str(settings.get("flush", "sync")),
             "lazyfs": self.lazyfs,
+            "replication": cfg.replication,
+            "cmode": cfg.cmode if cfg.replication == "controller" else None,
             **self.layout,
         }
         await http.open()
@@ -406,6 +443,8 @@ class GroupsRunner(Runner):
     # -- checking ----------------------------------------------------------------------
     def _run_info(self) -> dict[str, Any]:
         return {
+            "replication": self.cfg.replication,
+            "cmode": self.cfg.cmode if self.cfg.replication == "controller" else None,
             "groups": self.cfg.groups,
             "controller_nodes": self.cfg.controller_nodes,
             "unordered": self.cfg.unordered,

@@ -69,7 +69,7 @@ class RunConfig:
     recovery_s: float = 8.0
     lock_wait_s: float = 900.0
     node_env: dict[str, str] = field(default_factory=dict)
-    node_settings: dict[str, int | str] = field(default_factory=dict)
+    node_settings: dict[str, int | str | bool] = field(default_factory=dict)
     use_netns: bool = True
     shapes: dict[str, list[str]] = field(default_factory=dict)
     quiet: bool = False
@@ -87,6 +87,11 @@ class RunConfig:
     groups: int = 0
     controller_nodes: int = 3
     unordered: int = 0
+    # How the broker groups replicate (jepsen_like.groups): "raft", or
+    # "controller" (RocketMQ 5's controller mode) with the "cp" or "ap"
+    # settings preset (cmode_settings).
+    replication: str = "raft"
+    cmode: str = "cp"
 
 
 class Runner:
@@ -197,7 +202,7 @@ class Runner:
     async def _run(self, kinds: list[str], hist: Path) -> None:
         cfg = self.cfg
         rng = random.Random(cfg.seed)
-        settings: dict[str, int | str] = {"snapshot_every_entries": 4000}
+        settings: dict[str, int | str | bool] = {"snapshot_every_entries": 4000}
         if cfg.flush != "sync":
             settings["flush"] = cfg.flush
         settings.update(cfg.node_settings)

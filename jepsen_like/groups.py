@@ -408,10 +408,7 @@ class GroupsRunner(Runner):
                 )
                 self.nem = nem  # type: ignore[assignment]
                 await self._nemesis_loop(nem, wl, kinds, rng)
-                wl.stop.set()
-                await asyncio.wait(tasks, timeout=cfg.op_timeout_s * 3)
-                for t in tasks:
-                    t.cancel()
+                await self._stop_workload(wl, tasks)
                 for c in self._clusters():
                     await self._recover_all(c)
                 leaders: dict[int, str | None] = {}
@@ -421,12 +418,7 @@ class GroupsRunner(Runner):
                     for q in group_queues[g]:
                         leaders[q] = c.members[lead].http if lead is not None else None
                 self.log(f"final reads from each group's leader {lead_of}")
-                if not await wl.final_reads(leaders, 90):
-                    self.log("final reads did not all complete")
-                    self.notes.append("final reads incomplete")
-                self.log(
-                    f"workload done: ok={wl.stats.ok} fail={wl.stats.fail} info={wl.stats.info}"
-                )
+                await self._final_reads(wl, leaders, 90)
                 self.log("comparing the replicas (every queue from every live node, per group)")
                 per = {
                     g: await replicas.compare(c, TOPIC, cfg.queues) for g, c in self.groups.items()

@@ -267,20 +267,12 @@ class Runner:
                 )
                 self.nem = nem
                 await self._nemesis_loop(nem, wl, kinds, rng)
-                wl.stop.set()
-                await asyncio.wait(tasks, timeout=cfg.op_timeout_s * 3)
-                for t in tasks:
-                    t.cancel()
+                await self._stop_workload(wl, tasks)
                 await self._recover_all(c)
                 lead = await c.leader()
                 lead_http = c.members[lead].http if lead is not None else None
                 self.log(f"final reads from leader {lead}")
-                if not await wl.final_reads(lead_http, 60):
-                    self.log("final reads did not all complete")
-                    self.notes.append("final reads incomplete")
-                self.log(
-                    f"workload done: ok={wl.stats.ok} fail={wl.stats.fail} info={wl.stats.info}"
-                )
+                await self._final_reads(wl, lead_http, 60)
                 self.log("comparing the replicas (every queue from every live node)")
                 self.replicas_result = await replicas.compare(c, TOPIC, cfg.queues)
                 self.log(
@@ -292,6 +284,20 @@ class Runner:
             finally:
                 await http.close()
                 await c.close()
+
+    async def _stop_workload(self, wl: Workload, tasks: list[asyncio.Task[None]]) -> None:
+        wl.stop.set()
+        await asyncio.wait(tasks, timeout=self.cfg.op_timeout_s * 3)
+        for t in tasks:
+            t.cancel()
+
+    async def _final_reads(
+        self, wl: Workload, leaders: str | dict[int, str | None] | None, deadline_s: float
+    ) -> None:
+        if not await wl.final_reads(leaders, deadline_s):
+            self.log("final reads did not all complete")
+            self.notes.append("final reads incomplete")
+        self.log(f"workload done: ok={wl.stats.ok} fail={wl.stats.fail} info={wl.stats.info}")
 
     async def _note_all_exits(self) -> None:
         assert self.cluster is not None

@@ -174,7 +174,7 @@ def run_compare(
             schedule=list(COMPARE_SCHEDULE),
             replication=mode.replication,
             cmode=mode.cmode,
-            quiet=True,
+            quiet=False,  # the run's progress lines: each mode takes a minute or two
         )
         try:
             rc = GroupsRunner(cfg).run()

@@ -126,7 +126,15 @@ class GroupNemesis:
         base = [k for k in kinds if k not in GROUP_KINDS]
         self.by_group = {
             g: Nemesis(
-                c, writer, rng, base, log=log, libfaketime=libfaketime, shapes=shapes, group=g
+                c,
+                writer,
+                rng,
+                base,
+                log=log,
+                libfaketime=libfaketime,
+                shapes=shapes,
+                group=g,
+                others=controller.ids,
             )
             for g, c in groups.items()
         }

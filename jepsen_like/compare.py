@@ -54,6 +54,7 @@ COMPARE_SCHEDULE: list[tuple[str, str | None]] = [
     ("clock", "step"),
 ]
 KINDS = ["kill", "pause", "partition", "clock", "controller"]
+RECOVERY_S = 8.0  # RunConfig.recovery_s: the workload runs this long after the last heal
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +113,8 @@ def summarize_run(mode: Mode, out: Path, rc: int) -> dict[str, Any]:
             rto[w["kind"]] = float("inf")
     ops = res["run"].get("ops_by_f", {})
     produce_ok = int(ops.get("produce", [0, 0, 0])[0])
-    wall = float(res["run"].get("wall_s") or 0) or 1.0
+    # The load runs for the time limit plus the recovery time after the last heal.
+    wall = float(res["run"].get("time_limit_s") or 0) + RECOVERY_S or 1.0
     lat = rec.get("latency", {}).get("produce", {})
     g1 = out / "cluster" / "g1"
     disk = _disk_bytes(g1) if g1.exists() else 0

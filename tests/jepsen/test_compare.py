@@ -44,7 +44,7 @@ def fake_results(tmp: Path, mode: str, *, lost: int, rto_kill: float | None) -> 
             },
             "groups": {"verdict": "valid", "unordered_availability": 0.9},
         },
-        "run": {"ops_by_f": {"produce": [100, 0, 0]}, "wall_s": 10.0},
+        "run": {"ops_by_f": {"produce": [90, 0, 0]}, "time_limit_s": 1.0},
     }
     (out / "results.json").write_text(json.dumps(res))
     return out
@@ -57,7 +57,7 @@ def test_the_report_says_what_each_mode_lost_and_plots_it(tmp_path: Path) -> Non
         summarize_run(MODES["cp-3"], tmp_path / "missing", 3),
     ]
     assert rows[0]["lost"] == 0 and rows[1]["lost"] == 7
-    assert rows[0]["throughput_per_s"] == 10.0 and rows[0]["bytes_per_message"] == 81.9
+    assert rows[0]["throughput_per_s"] == 10.0 and rows[0]["bytes_per_message"] == 91.0
     said = sentences(rows)
     assert said[0].startswith("Raft, 3 voters: no anomaly")
     assert "lost 7 acknowledged writes" in said[1] and "6.2 s after kill" in said[1]

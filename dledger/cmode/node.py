@@ -285,8 +285,20 @@ class CmodeNode:
     def _become_master(self, epoch: int, sss: frozenset[int], sss_epoch: int, now_ms: int) -> None:
         st = self._st()
         last = st.last_index()
-        self.epochs.append(epoch, last)
-        self._save_epochs()
+        mine = self.epochs.last
+        if mine is not None and mine.epoch > epoch:
+            logger.warning(
+                "cmode node %d: told to be master of epoch %d, but its log has epoch %d",
+                self.cfg.node_id,
+                epoch,
+                mine.epoch,
+            )
+            return
+        if mine is None or mine.epoch < epoch:
+            self.epochs.append(epoch, last)
+            self._save_epochs()
+        # else: this node was already master of this epoch and restarted
+        # before the controller noticed: it goes on with the same epoch.
         members = frozenset(m.id for m in self.cfg.members) or frozenset({self.cfg.node_id})
         core = MasterCore(
             me=self.cfg.node_id,

@@ -281,3 +281,24 @@ async def test_concurrent_writes_are_all_appended_between_syncs(tmp_path: Path) 
         assert sum(s.violations for s in g.storages) == 0
     finally:
         await g.stop_all()
+
+
+async def test_a_master_restarted_before_the_controller_noticed_keeps_its_epoch(
+    tmp_path: Path,
+) -> None:
+    g = Group(tmp_path, CmodeConfig())
+    for i in IDS:
+        await g.start(i)
+    try:
+        g.assign(1, 1, {1, 2, 3}, 1)
+        await until(g.nodes[1].leader_ready)
+        await g.nodes[1].propose_entry(b"before")
+        await g.nodes[1].stop()
+        n1 = await g.start(1)
+        n1.assign(1, 1, frozenset({1, 2, 3}), 1)  # the controller still says so
+        await until(n1.leader_ready)
+        assert (await n1.propose_entry(b"after")).index == 2
+        assert [(e.epoch, e.start) for e in n1.epochs] == [(1, 0)] and n1.fatal is None
+        await until(lambda: all(g.nodes[i].applied == 2 for i in IDS))
+    finally:
+        await g.stop_all()

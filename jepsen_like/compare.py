@@ -261,7 +261,11 @@ def sentences(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def html_report(rows: list[dict[str, Any]], seed: int, time_limit_s: float) -> str:
+def html_report(
+    rows: list[dict[str, Any]], seed: int, time_limit_s: float, *, links: bool = True
+) -> str:
+    """The comparison page; ``links``: link each mode's own run report (off
+    for a copy kept without the runs' directories)."""
     ok = [r for r in rows if "error" not in r]
     kinds = sorted({k for r in ok for k in r["rto_ms"]})
     rto_plots = "".join(
@@ -288,7 +292,12 @@ def html_report(rows: list[dict[str, Any]], seed: int, time_limit_s: float) -> s
                 r.get("unordered_availability"),
             )
         )
-        + f'<td><a href="{html.escape(os.path.relpath(r["report"], "."))}">run report</a></td></tr>'
+        + (
+            f'<td><a href="{html.escape(os.path.join(r["mode"], "report.html"))}">run report</a></td>'
+            if links
+            else "<td></td>"
+        )
+        + "</tr>"
         if "report" in r
         else f"<tr><td>{html.escape(r['label'])}</td><td colspan=11>{html.escape(r['error'])}</td></tr>"
         for r in rows

@@ -37,7 +37,11 @@ master is not alive (or that never had one) gets one from
 the largest reported offset first; any alive member when the group allows
 unclean elections; at the very first election, any alive member), with a
 new **epoch** and a SyncStateSet of the new master alone. Only the master
-of the current epoch counts as the group's leader. ``alter_sync_state_set``
+of the current epoch counts as the group's leader. After the controller
+itself was away (two applied commands more than two heartbeat intervals
+apart: no leader, or its majority down), no master is deemed dead for one
+liveness timeout, so brokers can heartbeat again first: a controller
+outage alone never moves a master. ``alter_sync_state_set``
 applies a master's request only when the master, its epoch and the
 SyncStateSet's own epoch are still current (``STALE_EPOCH`` otherwise), so
 a deposed master can never change the set.
@@ -181,6 +185,7 @@ class ControllerState:
         self.groups: dict[str, GroupInfo] = {}
         self.routes: dict[str, TopicRoute] = {}
         self.tombstones: dict[str, int] = {}
+        self.grace_until_ms = 0  # no controller-mode election before this (see apply_command)
 
     # -- apply ------------------------------------------------------------------
     def apply(self, entry: Entry) -> object:
@@ -204,6 +209,11 @@ class ControllerState:
     def apply_command(self, cmd: dict[str, Any]) -> object:
         ts = int(cmd["ts_ms"])
         if ts > self.now_ms:
+            if self.now_ms and ts - self.now_ms > 2 * HEARTBEAT_INTERVAL_MS:
+                # The controller itself was away (no leader, or all down): the
+                # brokers' heartbeats could not land. No master is deemed dead
+                # until each has had a full timeout to heartbeat again.
+                self.grace_until_ms = ts + self.liveness_timeout_ms
             self.now_ms = ts
         op = cmd["op"]
         if op == "tick":
@@ -276,6 +286,8 @@ class ControllerState:
 
     def _elections(self) -> None:
         """Give every controller-mode group whose master is gone a new one."""
+        if self.now_ms < self.grace_until_ms:
+            return
         for name in sorted(self.groups):
             g = self.groups[name]
             r = g.replica
@@ -479,6 +491,7 @@ class ControllerState:
             },
             "routes": {t: [r.queues, r.version, r.created_ms] for t, r in self.routes.items()},
             "tombstones": self.tombstones,
+            "grace_until": self.grace_until_ms,
         }
 
     def snapshot(self) -> bytes:
@@ -515,6 +528,7 @@ class ControllerState:
             for t, (queues, version, created) in v["routes"].items():
                 st.routes[str(t)] = TopicRoute([str(q) for q in queues], int(version), int(created))
             st.tombstones = {str(t): int(x) for t, x in v["tombstones"].items()}
+            st.grace_until_ms = int(v.get("grace_until", 0))
         except (KeyError, TypeError, ValueError, orjson.JSONDecodeError) as exc:
             raise MalformedCommand(f"controller snapshot has a wrong shape: {exc!r}") from None
         return st

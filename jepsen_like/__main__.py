@@ -101,6 +101,21 @@ def main(argv: list[str] | None = None) -> int:
         "--controller-nodes", type=int, choices=[3, 5], default=3, help="with --groups"
     )
     r.add_argument(
+        "--replication",
+        choices=["raft", "controller"],
+        default="raft",
+        help="how the broker groups replicate: raft, or controller (RocketMQ 5's controller "
+        "mode, docs/controller-mode.md; implies --groups 1 at least; the corrupt nemesis is "
+        "left out: its safe rebuild is a Raft procedure)",
+    )
+    r.add_argument(
+        "--cmode",
+        choices=["cp", "ap"],
+        default="cp",
+        help="controller-mode settings: cp (every member of the SyncStateSet acknowledges, a "
+        "majority at least) or ap (adaptive degradation, unclean elections)",
+    )
+    r.add_argument(
         "--unordered",
         type=int,
         default=None,
@@ -195,6 +210,23 @@ def main(argv: list[str] | None = None) -> int:
         "power: one, minority, majority, all, each also -torn; disk: fsync-eio, fsync-enospc, "
         "write-eio, write-enospc)",
     )
+    cmp = sub.add_parser(
+        "compare",
+        help="the same seeded workload and fault schedule against Raft and controller mode "
+        "(CP and AP settings, 2 and 3 replicas), one report",
+        description="Runs one multi-group harness run per mode (one broker group plus the "
+        "controller group), same seed and schedule, and writes compare.html (plots first) and "
+        "compare.json to --out. Modes: raft-3, raft-5, cp-3, cp-2, ap-3, ap-2.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    cmp.add_argument(
+        "--modes",
+        default="raft-3,cp-3,ap-3,cp-2,ap-2",
+        help="comma-separated modes, run in this order",
+    )
+    cmp.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="per mode")
+    cmp.add_argument("--seed", type=int, default=1)
+    cmp.add_argument("--out", type=Path, default=Path("jepsen-compare"))
     c = sub.add_parser(
         "check",
         help="run the checkers on a history file (the VERDICT line and table; --json: raw JSON;"
@@ -203,6 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("history")
     c.add_argument("--json", action="store_true", help="print the results as JSON")
     args, rest = p.parse_known_args(argv)
+    if args.cmd == "compare":
+        if rest:
+            cmp.error(f"unrecognized arguments: {' '.join(rest)}")
+        from jepsen_like.compare import main as compare_main
+
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        return compare_main(modes, args.out, args.seed, args.time_limit)
     if args.cmd == "check":
         from jepsen_like.checkers.__main__ import main as check_main
 
@@ -213,10 +252,16 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.shapes:
         kind, _, rest = spec.partition("=")
         shapes[kind] = [s for s in rest.split(",") if s]
+    if args.replication == "controller" and args.groups == 0:
+        args.groups = 1  # a controller-mode group needs the controller group
     try:
         kinds = _resolve_kinds(args.nemesis, args.groups)
     except ValueError as e:
         r.error(str(e))
+    if args.replication == "controller":
+        from jepsen_like.groups import NOT_IN_CONTROLLER_MODE
+
+        kinds = [k for k in kinds if k not in NOT_IN_CONTROLLER_MODE]
     if args.groups < 0:
         r.error("--groups must be >= 0")
     multi = args.groups > 0
@@ -252,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         groups=args.groups,
         controller_nodes=args.controller_nodes,
         unordered=unordered if multi else 0,
+        replication=args.replication,
+        cmode=args.cmode,
     )
     try:
         if multi:

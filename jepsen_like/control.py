@@ -244,6 +244,12 @@ def _toml_str(s: str) -> str:
     return json.dumps(s)
 
 
+def _toml_scalar(v: int | str | bool) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return _toml_str(v) if isinstance(v, str) else str(v)
+
+
 class Cluster:
     """The node processes of one run."""
 
@@ -254,7 +260,7 @@ class Cluster:
         voters: int,
         learners: int = 0,
         netns: bool,
-        node_settings: dict[str, int | str] | None = None,
+        node_settings: dict[str, int | str | bool] | None = None,
         node_env: dict[str, str] | None = None,
         lazyfs: bool = False,
         first_id: int = 1,
@@ -300,7 +306,7 @@ class Cluster:
         if self.node_settings:
             lines.append("[node]")
             for k, v in sorted(self.node_settings.items()):
-                lines.append(f"{k} = {_toml_str(v) if isinstance(v, str) else v}")
+                lines.append(f"{k} = {_toml_scalar(v)}")
             lines.append("")
         for m in self.members.values():
             lines += [

@@ -75,6 +75,35 @@ GROUPS_REQUIRED: tuple[tuple[str, str], ...] = (
     ("clock", "step"),
 )
 GROUP_SHAPES = {k: SHAPES[k] for k in GROUP_KINDS}
+# What controller mode cannot be put through: the corrupt nemesis rebuilds a
+# damaged replica only once leadership transfers have moved the term past
+# every vote it could have cast, a Raft notion (controller mode has no
+# votes; its masters are elected by the controller).
+NOT_IN_CONTROLLER_MODE = ("corrupt",)
+
+
+def cmode_settings(preset: str, replicas: int) -> dict[str, int | str | bool]:
+    """The cluster-file settings of a controller-mode broker group:
+    ``cp`` (every member of the SyncStateSet acknowledges, at least a
+    majority in it) or ``ap`` (adaptive degradation down to the master
+    alone, unclean elections), as docs/controller-mode.md describes."""
+    majority = replicas // 2 + 1
+    if preset == "cp":
+        return {
+            "replication": "controller",
+            "all_ack_in_sync_state_set": True,
+            "in_sync_replicas": majority,
+            "min_in_sync_replicas": majority,
+        }
+    if preset == "ap":
+        return {
+            "replication": "controller",
+            "in_sync_replicas": replicas,
+            "min_in_sync_replicas": 1,
+            "enable_auto_in_sync_replicas": True,
+            "enable_elect_unclean_master": True,
+        }
+    raise ValueError(f"unknown controller-mode preset {preset!r} (cp, ap)")
 
 
 class GroupNemesis:
@@ -97,7 +126,15 @@ class GroupNemesis:
         base = [k for k in kinds if k not in GROUP_KINDS]
         self.by_group = {
             g: Nemesis(
-                c, writer, rng, base, log=log, libfaketime=libfaketime, shapes=shapes, group=g
+                c,
+                writer,
+                rng,
+                base,
+                log=log,
+                libfaketime=libfaketime,
+                shapes=shapes,
+                group=g,
+                others=controller.ids,
             )
             for g, c in groups.items()
         }
@@ -203,7 +240,7 @@ class GroupsRunner(Runner):
         return plan
 
     # -- set-up ------------------------------------------------------------------------
-    def _layout_clusters(self, settings: dict[str, int | str]) -> None:
+    def _layout_clusters(self, settings: dict[str, int | str | bool]) -> None:
         cfg = self.cfg
         root = cfg.out / "cluster"
         shutil.rmtree(root, ignore_errors=True)
@@ -287,11 +324,17 @@ class GroupsRunner(Runner):
     async def _run(self, kinds: list[str], hist: Any) -> None:
         cfg = self.cfg
         rng = random.Random(cfg.seed)
-        settings: dict[str, int | str] = {"snapshot_every_entries": 4000}
+        settings: dict[str, int | str | bool] = {"snapshot_every_entries": 4000}
         if cfg.flush != "sync":
             settings["flush"] = cfg.flush
         settings.update(cfg.node_settings)
         self._layout_clusters(settings)
+        if cfg.replication == "controller":
+            broker = cmode_settings(cfg.cmode, cfg.nodes)
+            for c in self.groups.values():
+                c.node_settings.update(broker)
+                c.write_cluster_file()
+            self.log(f"broker groups in controller mode ({cfg.cmode}): {broker}")
         assert self.ctl is not None
         ctl = self.ctl
         ctl.start_all()
@@ -351,6 +394,8 @@ class GroupsRunner(Runner):
             "node_env": sorted(cfg.node_env),
             "flush": str(settings.get("flush", "sync")),
             "lazyfs": self.lazyfs,
+            "replication": cfg.replication,
+            "cmode": cfg.cmode if cfg.replication == "controller" else None,
             **self.layout,
         }
         await http.open()
@@ -371,10 +416,7 @@ class GroupsRunner(Runner):
                 )
                 self.nem = nem  # type: ignore[assignment]
                 await self._nemesis_loop(nem, wl, kinds, rng)
-                wl.stop.set()
-                await asyncio.wait(tasks, timeout=cfg.op_timeout_s * 3)
-                for t in tasks:
-                    t.cancel()
+                await self._stop_workload(wl, tasks)
                 for c in self._clusters():
                     await self._recover_all(c)
                 leaders: dict[int, str | None] = {}
@@ -384,12 +426,7 @@ class GroupsRunner(Runner):
                     for q in group_queues[g]:
                         leaders[q] = c.members[lead].http if lead is not None else None
                 self.log(f"final reads from each group's leader {lead_of}")
-                if not await wl.final_reads(leaders, 90):
-                    self.log("final reads did not all complete")
-                    self.notes.append("final reads incomplete")
-                self.log(
-                    f"workload done: ok={wl.stats.ok} fail={wl.stats.fail} info={wl.stats.info}"
-                )
+                await self._final_reads(wl, leaders, 90)
                 self.log("comparing the replicas (every queue from every live node, per group)")
                 per = {
                     g: await replicas.compare(c, TOPIC, cfg.queues) for g, c in self.groups.items()
@@ -406,6 +443,8 @@ class GroupsRunner(Runner):
     # -- checking ----------------------------------------------------------------------
     def _run_info(self) -> dict[str, Any]:
         return {
+            "replication": self.cfg.replication,
+            "cmode": self.cfg.cmode if self.cfg.replication == "controller" else None,
             "groups": self.cfg.groups,
             "controller_nodes": self.cfg.controller_nodes,
             "unordered": self.cfg.unordered,

@@ -185,8 +185,13 @@ class Nemesis:
         libfaketime: str | None,
         shapes: dict[str, list[str]] | None = None,
         group: str | None = None,
+        others: list[int] | None = None,
     ) -> None:
         self.c = cluster
+        # A multi-group run: the run's nodes outside this cluster (the
+        # controller group's). An isolated node is cut from them too, as a
+        # node that loses its network is.
+        self.others = list(others or [])
         # A multi-group run: the group this nemesis acts on, in every record.
         self.group = group
         self.w = writer
@@ -289,7 +294,7 @@ class Nemesis:
             info = {"shape": shape, "grudge": {a: sorted(b) for a, b in grudge.items()}}
 
             async def heal_partition() -> None:
-                net.heal(self.c.ids)
+                net.heal([*self.c.ids, *self.others])
 
             self._heal = heal_partition
         elif kind == "clock":
@@ -405,7 +410,7 @@ class Nemesis:
         v = list(self.c.voters)
         if shape in ("isolate-leader", "isolate-one"):
             t = leader if shape == "isolate-leader" and leader is not None else self.rng.choice(v)
-            return net.complete_grudge([[t]], ids), [t]
+            return net.complete_grudge([[t]], [*ids, *self.others]), [t]
         if shape == "leader-minority":
             # The leader keeps a minority of followers (none with 3 voters)
             # and every learner: it can replicate to them but never commit;

@@ -69,7 +69,7 @@ class RunConfig:
     recovery_s: float = 8.0
     lock_wait_s: float = 900.0
     node_env: dict[str, str] = field(default_factory=dict)
-    node_settings: dict[str, int | str] = field(default_factory=dict)
+    node_settings: dict[str, int | str | bool] = field(default_factory=dict)
     use_netns: bool = True
     shapes: dict[str, list[str]] = field(default_factory=dict)
     quiet: bool = False
@@ -87,6 +87,11 @@ class RunConfig:
     groups: int = 0
     controller_nodes: int = 3
     unordered: int = 0
+    # How the broker groups replicate (jepsen_like.groups): "raft", or
+    # "controller" (RocketMQ 5's controller mode) with the "cp" or "ap"
+    # settings preset (cmode_settings).
+    replication: str = "raft"
+    cmode: str = "cp"
 
 
 class Runner:
@@ -197,7 +202,7 @@ class Runner:
     async def _run(self, kinds: list[str], hist: Path) -> None:
         cfg = self.cfg
         rng = random.Random(cfg.seed)
-        settings: dict[str, int | str] = {"snapshot_every_entries": 4000}
+        settings: dict[str, int | str | bool] = {"snapshot_every_entries": 4000}
         if cfg.flush != "sync":
             settings["flush"] = cfg.flush
         settings.update(cfg.node_settings)
@@ -262,20 +267,12 @@ class Runner:
                 )
                 self.nem = nem
                 await self._nemesis_loop(nem, wl, kinds, rng)
-                wl.stop.set()
-                await asyncio.wait(tasks, timeout=cfg.op_timeout_s * 3)
-                for t in tasks:
-                    t.cancel()
+                await self._stop_workload(wl, tasks)
                 await self._recover_all(c)
                 lead = await c.leader()
                 lead_http = c.members[lead].http if lead is not None else None
                 self.log(f"final reads from leader {lead}")
-                if not await wl.final_reads(lead_http, 60):
-                    self.log("final reads did not all complete")
-                    self.notes.append("final reads incomplete")
-                self.log(
-                    f"workload done: ok={wl.stats.ok} fail={wl.stats.fail} info={wl.stats.info}"
-                )
+                await self._final_reads(wl, lead_http, 60)
                 self.log("comparing the replicas (every queue from every live node)")
                 self.replicas_result = await replicas.compare(c, TOPIC, cfg.queues)
                 self.log(
@@ -287,6 +284,20 @@ class Runner:
             finally:
                 await http.close()
                 await c.close()
+
+    async def _stop_workload(self, wl: Workload, tasks: list[asyncio.Task[None]]) -> None:
+        wl.stop.set()
+        await asyncio.wait(tasks, timeout=self.cfg.op_timeout_s * 3)
+        for t in tasks:
+            t.cancel()
+
+    async def _final_reads(
+        self, wl: Workload, leaders: str | dict[int, str | None] | None, deadline_s: float
+    ) -> None:
+        if not await wl.final_reads(leaders, deadline_s):
+            self.log("final reads did not all complete")
+            self.notes.append("final reads incomplete")
+        self.log(f"workload done: ok={wl.stats.ok} fail={wl.stats.fail} info={wl.stats.info}")
 
     async def _note_all_exits(self) -> None:
         assert self.cluster is not None

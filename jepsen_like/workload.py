@@ -298,28 +298,15 @@ class Workload:
             final = "ok"
             while True:
                 attempts += 1
-                r = await self.http.call(
-                    "POST",
-                    f"/v1/topics/{TOPIC}/messages?timeout_ms={self.timeout_ms}",
-                    json=body,
-                    rng=rng,
-                    timeout_s=self._deadline(rng),
-                    queue=q,
-                )
-                st = write_outcome(r)
-                if st == "ok":
-                    try:
-                        off = int(r.body["messages"][0]["queue_offset"])
-                    except (KeyError, IndexError, TypeError, ValueError):
-                        st = "info"
-                    else:
-                        self._complete(
-                            "ok", process, "produce", offset=off, node=r.node, attempts=attempts
-                        )
-                        self.high[q] = max(self.high[q], off + 1)
-                        if idempotent:
-                            seqs[q] = seqs.get(q, 0) + 1
-                        break
+                r, st, off = await self._send_produce(body, rng, q)
+                if off is not None:
+                    self._complete(
+                        "ok", process, "produce", offset=off, node=r.node, attempts=attempts
+                    )
+                    self.high[q] = max(self.high[q], off + 1)
+                    if idempotent:
+                        seqs[q] = seqs.get(q, 0) + 1
+                    break
                 maybe_happened = maybe_happened or st == "info"
                 broker_refused = r.status is not None and 400 <= r.status < 500 and r.status != 429
                 if not idempotent or broker_refused or attempts >= 5 or self.stop.is_set():
@@ -332,6 +319,27 @@ class Workload:
                     break
                 await asyncio.sleep(0.1 * attempts)
             await self._pause(rng, final)
+
+    async def _send_produce(
+        self, body: dict[str, Any], rng: random.Random, q: int
+    ) -> tuple[Reply, str, int | None]:
+        """One produce request: the reply, its outcome, and the acknowledged
+        queue offset (None unless ``ok``; an ``ok`` without one is ``info``)."""
+        r = await self.http.call(
+            "POST",
+            f"/v1/topics/{TOPIC}/messages?timeout_ms={self.timeout_ms}",
+            json=body,
+            rng=rng,
+            timeout_s=self._deadline(rng),
+            queue=q,
+        )
+        st = write_outcome(r)
+        if st != "ok":
+            return r, st, None
+        try:
+            return r, st, int(r.body["messages"][0]["queue_offset"])
+        except (KeyError, IndexError, TypeError, ValueError):
+            return r, "info", None
 
     async def unordered_producer(self, process: int) -> None:
         """Unordered messages (no sharding key) in a multi-group run: each goes
@@ -354,24 +362,11 @@ class Workload:
             n += 1
             body = {"messages": [{"value": value, "encoding": "utf-8", "queue": q}]}
             self.w.invoke(process, "produce", key_of(q), value=value)
-            r = await self.http.call(
-                "POST",
-                f"/v1/topics/{TOPIC}/messages?timeout_ms={self.timeout_ms}",
-                json=body,
-                rng=rng,
-                timeout_s=self._deadline(rng),
-                queue=q,
-            )
-            st = write_outcome(r)
-            if st == "ok":
-                try:
-                    off = int(r.body["messages"][0]["queue_offset"])
-                except (KeyError, IndexError, TypeError, ValueError):
-                    st = "info"
-                else:
-                    self._complete("ok", process, "produce", offset=off, node=r.node)
-                    self.high[q] = max(self.high[q], off + 1)
-            if st != "ok":
+            r, st, off = await self._send_produce(body, rng, q)
+            if off is not None:
+                self._complete("ok", process, "produce", offset=off, node=r.node)
+                self.high[q] = max(self.high[q], off + 1)
+            else:
                 self._complete(st, process, "produce", error=_err(r), node=r.node)
                 avoid[g] = time.monotonic() + AVOID_S
             # No back-off after a refusal: another group is there to take the next.

@@ -108,6 +108,9 @@ class CmodeNode:
         self._transport: NodeTransport | None = None
         self._release: Callable[[], None] | None = None
         self._inbox: deque[tuple[int, bytes]] = deque()
+        self._proposals: deque[tuple[bytes, asyncio.Future[Applied]]] = deque()
+        # The controller's latest word, taken by the loop (see assign).
+        self._assignment: tuple[int, int, frozenset[int], int] | None = None
         self._pending: dict[int, asyncio.Future[Applied]] = {}
         self._dirty = False  # appends or truncations not yet synced
         self._after_sync: list[Callable[[int], list[Action]]] = []
@@ -257,7 +260,16 @@ class CmodeNode:
     def assign(
         self, master: int, epoch: int, sync_state_set: frozenset[int], sync_state_set_epoch: int
     ) -> None:
-        """What the controller says now (from a heartbeat answer)."""
+        """What the controller says now (from a heartbeat answer); the loop
+        takes it at the start of its next pass, when no sync is running."""
+        self._assignment = (master, epoch, sync_state_set, sync_state_set_epoch)
+        self._wake.set()
+
+    def _take_assignment(self) -> None:
+        if self._assignment is None:
+            return
+        master, epoch, sync_state_set, sync_state_set_epoch = self._assignment
+        self._assignment = None
         if not self.running or epoch < self.epoch:
             return
         me = self.cfg.node_id
@@ -269,13 +281,24 @@ class CmodeNode:
         elif master != me and master != 0 and (epoch > self.epoch or self._slink is None):
             self._become_slave(master, epoch, now_ms)
         self.sync_state_set, self.sync_state_set_epoch = sync_state_set, sync_state_set_epoch
-        self._wake.set()
 
     def _become_master(self, epoch: int, sss: frozenset[int], sss_epoch: int, now_ms: int) -> None:
         st = self._st()
         last = st.last_index()
-        self.epochs.append(epoch, last)
-        self._save_epochs()
+        mine = self.epochs.last
+        if mine is not None and mine.epoch > epoch:
+            logger.warning(
+                "cmode node %d: told to be master of epoch %d, but its log has epoch %d",
+                self.cfg.node_id,
+                epoch,
+                mine.epoch,
+            )
+            return
+        if mine is None or mine.epoch < epoch:
+            self.epochs.append(epoch, last)
+            self._save_epochs()
+        # else: this node was already master of this epoch and restarted
+        # before the controller noticed: it goes on with the same epoch.
         members = frozenset(m.id for m in self.cfg.members) or frozenset({self.cfg.node_id})
         core = MasterCore(
             me=self.cfg.node_id,
@@ -360,19 +383,17 @@ class CmodeNode:
         if not self.running:
             raise NodeStopped(f"node {self.cfg.node_id} is not running")
         m = self._mlink
-        if m is None:
+        if m is None and self._assignment is None:
             raise NotLeader(self.master_id)
-        why = m.core.write_refusal()
+        why = m.core.write_refusal() if m is not None else None
         if why is not None:
             self.counters["writes_refused"] += 1
             raise NotInSync(why)
-        st = self._st()
-        e = Entry(st.last_index() + 1, self.epoch, EntryType.NORMAL, data, self._end_pos)
-        st.append([e])
-        self._end_pos += len(data)
-        self._dirty = True
+        # Appended by the loop, between two syncs: the storage must never be
+        # written while a sync runs in its worker thread (a batch appended
+        # then would be forgotten with the one being committed).
         fut: asyncio.Future[Applied] = asyncio.get_running_loop().create_future()
-        self._pending[e.index] = fut
+        self._proposals.append((data, fut))
         self._wake.set()
         return await fut
 
@@ -507,6 +528,7 @@ class CmodeNode:
 
     async def _pass(self) -> None:
         now_ms = int(self._clock() * 1000)
+        self._take_assignment()
         while self._inbox:
             frm, payload = self._inbox.popleft()
             try:
@@ -520,6 +542,7 @@ class CmodeNode:
                 self._do(self._slink.on_message(frm, msg, now_ms))
         if self._slink is not None:
             self._do(self._slink.tick(now_ms))
+        self._append_proposals()
         if self._dirty:
             st = self._st()
             self._dirty = False
@@ -534,6 +557,34 @@ class CmodeNode:
         if self._mlink is not None:
             self._do(self._mlink.pump(now_ms))
         self._apply()
+
+    def _append_proposals(self) -> None:
+        if not self._proposals:
+            return
+        m = self._mlink
+        why = None if m is None else m.core.write_refusal()
+        st = self._st()
+        batch: list[Entry] = []
+        while self._proposals:
+            data, fut = self._proposals.popleft()
+            if fut.done():
+                continue  # the caller gave up before it was appended
+            if m is None:
+                fut.set_exception(NotLeader(self.master_id))
+                continue
+            if why is not None:
+                self.counters["writes_refused"] += 1
+                fut.set_exception(NotInSync(why))
+                continue
+            e = Entry(
+                st.last_index() + len(batch) + 1, self.epoch, EntryType.NORMAL, data, self._end_pos
+            )
+            self._end_pos += len(data)
+            batch.append(e)
+            self._pending[e.index] = fut
+        if batch:
+            st.append(batch)
+            self._dirty = True
 
     def _apply(self) -> None:
         upto = self.confirm
@@ -554,6 +605,11 @@ class CmodeNode:
             if not fut.done():
                 fut.set_exception(exc)
         self._pending.clear()
+        # Queued writes were never appended: certainly not written.
+        while self._proposals:
+            _data, fut = self._proposals.popleft()
+            if not fut.done():
+                fut.set_exception(NotLeader(self.master_id if self.running else 0))
 
 
 __all__ = ["CmodeNode", "NotInSync", "StorageCorrupted"]

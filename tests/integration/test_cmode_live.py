@@ -14,7 +14,6 @@ SyncStateSet acknowledges, at least 2 of them).
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import time
 from collections import Counter
@@ -28,22 +27,13 @@ from dledger.cluster import http_request
 from dledger_app.groups import MultiCluster
 from http_api.client import ApiError, Client
 from http_api.routing import RoutingClient
+from tests.http.apiclient import wait_for
+from tests.integration.multi import multi_running
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 TOPIC = "cm"
 START_TIMEOUT_S = 90.0
-
-
-def wait_for(pred: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.2)
 
 
 @pytest.fixture
@@ -57,17 +47,8 @@ def multi(tmp_path: Path) -> Iterator[MultiCluster]:
     mc = MultiCluster.create(
         tmp_path / "mc", groups=1, nodes=3, secret="cmode-live-secret-0123", settings=settings
     )
-    clusters = mc.all()
-    try:
-        for lc in clusters.values():
-            lc.start_all()
-        yield mc
-    finally:
-        for name, lc in clusters.items():
-            lc.down(10)
-            if os.environ.get("DLEDGER_SHOW_LOGS"):
-                for nid in lc.ids():
-                    print(f"--- {name} node {nid}\n{lc.log_tail(nid, 25)}")
+    with multi_running(mc, 25) as running:
+        yield running
 
 
 def replica_of(mc: MultiCluster) -> dict[str, Any] | None:

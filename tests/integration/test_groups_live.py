@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -42,6 +41,7 @@ from dledger.cluster import free_ports, http_request
 from dledger_app.groups import MultiCluster, stop_process
 from http_api.client import ApiError, Client
 from http_api.routing import GroupUnavailableError, RoutingClient
+from tests.integration.multi import multi_running
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -182,17 +182,8 @@ class Producers:
 @pytest.fixture
 def multi(tmp_path: Path) -> Iterator[MultiCluster]:
     mc = MultiCluster.create(tmp_path / "mc", groups=3, nodes=3, secret="live-test-secret-0123")
-    clusters = mc.all()
-    try:
-        for lc in clusters.values():
-            lc.start_all()
-        yield mc
-    finally:
-        for name, lc in clusters.items():
-            lc.down(10)
-            if os.environ.get("DLEDGER_SHOW_LOGS"):
-                for nid in lc.ids():
-                    print(f"--- {name} node {nid}\n{lc.log_tail(nid, 15)}")
+    with multi_running(mc, 15) as running:
+        yield running
 
 
 @pytest.fixture

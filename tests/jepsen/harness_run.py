@@ -64,3 +64,20 @@ def run(
             f"no results.json (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
         )
     return p.returncode, json.loads(results_path.read_text()), p.stdout
+
+
+def run_subcommand(args: list[str], *, timeout_s: float) -> tuple[int, str]:
+    """``python -m jepsen_like ARGS`` holding the machine lock (its runs
+    inherit it); returns the exit status and stdout plus stderr."""
+    fd = _take_machine_lock()
+    env = dict(os.environ, **{LOCK_FD_ENV: str(fd)})
+    p = subprocess.run(
+        [sys.executable, "-m", "jepsen_like", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+        env=env,
+        pass_fds=(fd,),
+    )
+    return p.returncode, p.stdout + p.stderr

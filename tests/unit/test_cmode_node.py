@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,7 +19,7 @@ from dledger.cmode.node import CmodeNode, NotInSync
 from dledger.config import MemberSpec, NodeConfig
 from dledger.errors import NotLeader
 from dledger.node import OutcomeUnknown
-from dledger.runtime import NodeEnv
+from dledger.runtime import NodeEnv, open_lmdb_storage
 from dledger.statemachine import LogStateMachine
 from dledger.transport.memory import MemoryNetwork
 
@@ -42,12 +44,47 @@ def cfg(tmp: Path, nid: int) -> NodeConfig:
     )
 
 
+class GuardedStorage:
+    """LMDB log storage whose sync takes a few ms in its worker thread and
+    that fails any append or truncation made meanwhile: the storage forgets
+    a batch appended while the previous one is being committed."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.syncing = False
+        self.violations = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def sync(self) -> None:
+        self.syncing = True
+        try:
+            time.sleep(0.003)
+            self.real.sync()
+        finally:
+            self.syncing = False
+
+    def append(self, entries: Any) -> None:
+        if self.syncing:
+            self.violations += 1
+            raise AssertionError("append while a sync runs")
+        self.real.append(entries)
+
+    def truncate_from(self, index: int) -> None:
+        if self.syncing:
+            self.violations += 1
+            raise AssertionError("truncate while a sync runs")
+        self.real.truncate_from(index)
+
+
 class Group:
     def __init__(self, tmp: Path, cmode: CmodeConfig) -> None:
         self.tmp = tmp
         self.cmode = cmode
         self.net = MemoryNetwork()
         self.nodes: dict[int, CmodeNode] = {}
+        self.storages: list[GuardedStorage] = []
 
     async def start(self, nid: int) -> CmodeNode:
         (self.tmp / f"n{nid}").mkdir(exist_ok=True)
@@ -55,7 +92,13 @@ class Group:
         def make_transport(node_id, cluster_id, host, port, peers, secret, on_message):  # type: ignore[no-untyped-def]
             return self.net.transport(node_id, on_message, list(peers))
 
-        env = NodeEnv(make_transport=make_transport)
+        def open_storage(c: NodeConfig) -> tuple[Any, Any]:
+            real, release = open_lmdb_storage(c)
+            guarded = GuardedStorage(real)
+            self.storages.append(guarded)
+            return guarded, release
+
+        env = NodeEnv(make_transport=make_transport, open_storage=open_storage)
         n = CmodeNode(cfg(self.tmp, nid), LogStateMachine(), self.cmode, env)
         await n.start()
         self.nodes[nid] = n
@@ -208,5 +251,54 @@ async def test_an_unclean_election_resets_a_replica_that_applied_the_lost_tail(
         await until(lambda: g.nodes[1].applied == 1 and g.nodes[1]._st().last_index() == 1, 10)
         assert g.nodes[1].counters["resets"] == 1
         assert records(g.nodes[1]) == records(g.nodes[2])
+    finally:
+        await g.stop_all()
+
+
+async def test_concurrent_writes_are_all_appended_between_syncs(tmp_path: Path) -> None:
+    """Many writes in flight at once: none may be appended while a group
+    commit's sync runs in its thread (the storage would forget it)."""
+    g = Group(tmp_path, CmodeConfig(all_ack_in_sync_state_set=True))
+    for i in IDS:
+        await g.start(i)
+    try:
+        g.assign(1, 1, {1, 2, 3}, 1)
+        await until(g.nodes[1].leader_ready)
+
+        # Writes keep arriving, one every half millisecond, whatever the
+        # loop is doing: many arrive while a group commit is being synced.
+        futs = []
+        for k in range(300):
+            futs.append(asyncio.ensure_future(g.nodes[1].propose_entry(f"w{k}".encode())))
+            await asyncio.sleep(0.0005)
+        got = await asyncio.gather(*futs)
+        assert len({a.index for a in got}) == 300
+        last = g.nodes[1]._st().last_index()
+        assert last == 300
+        await until(lambda: all(g.nodes[i].applied == 300 for i in IDS))
+        assert records(g.nodes[1]) == records(g.nodes[2]) == records(g.nodes[3])
+        assert g.nodes[1].running and g.nodes[1].fatal is None
+        assert sum(s.violations for s in g.storages) == 0
+    finally:
+        await g.stop_all()
+
+
+async def test_a_master_restarted_before_the_controller_noticed_keeps_its_epoch(
+    tmp_path: Path,
+) -> None:
+    g = Group(tmp_path, CmodeConfig())
+    for i in IDS:
+        await g.start(i)
+    try:
+        g.assign(1, 1, {1, 2, 3}, 1)
+        await until(g.nodes[1].leader_ready)
+        await g.nodes[1].propose_entry(b"before")
+        await g.nodes[1].stop()
+        n1 = await g.start(1)
+        n1.assign(1, 1, frozenset({1, 2, 3}), 1)  # the controller still says so
+        await until(n1.leader_ready)
+        assert (await n1.propose_entry(b"after")).index == 2
+        assert [(e.epoch, e.start) for e in n1.epochs] == [(1, 0)] and n1.fatal is None
+        await until(lambda: all(g.nodes[i].applied == 2 for i in IDS))
     finally:
         await g.stop_all()

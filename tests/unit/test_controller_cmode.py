@@ -22,13 +22,27 @@ T = LIVENESS_TIMEOUT_MS
 
 
 class Log:
-    def __init__(self) -> None:
+    """Applies commands as a controller would. ``ticking``: the controller
+    leader's clock ticks every second in between (as it does when it runs),
+    so time never jumps as it does after a controller outage."""
+
+    def __init__(self, ticking: bool = True) -> None:
         self.st = ControllerState()
         self.n = 0
+        self.ticking = ticking
+        self.last_ts = 0
 
-    def __call__(self, data: bytes) -> object:
+    def _apply(self, data: bytes) -> object:
         self.n += 1
         return self.st.apply(Entry(self.n, 1, EntryType.NORMAL, data))
+
+    def __call__(self, data: bytes) -> object:
+        ts = int(codec.decode(data)["ts_ms"])
+        if self.ticking and self.last_ts:
+            for t in range(self.last_ts + 1000, ts, 1000):
+                self._apply(codec.tick(t))
+        self.last_ts = max(self.last_ts, ts)
+        return self._apply(data)
 
 
 def hb(
@@ -176,3 +190,26 @@ def test_elections_are_deterministic() -> None:
     assert a.st.snapshot() == b.st.snapshot()
     r = a.st.groups["c1"].replica
     assert r is not None and r.epoch == 1 and "unclean elections are off" in r.last_election
+
+
+def test_a_controller_outage_alone_does_not_move_a_master() -> None:
+    """The controller was down for 20 s: when it comes back, its first tick
+    must not find the master's last heartbeat 20 s old and replace it."""
+    log = Log(ticking=False)
+    three_in_sync(log)
+    log(hb(1500, 2, epoch=1))
+    log(hb(1500, 3, epoch=1))
+    log(codec.tick(21_000))  # the first command after the outage
+    assert replica(log)["master"] == 1 and replica(log)["epoch"] == 1
+    log.ticking = True  # the controller runs again: its clock ticks every second
+    log(hb(21_500, 1, epoch=1, master=True, offset=500))
+    log(hb(21_500, 2, epoch=1))
+    log(codec.tick(21_000 + T + 1))
+    assert replica(log)["epoch"] == 1  # everyone heartbeat in time
+    # ... but a master that does not come back is replaced once the grace ends.
+    log(hb(21_000 + T + 100, 2, epoch=1))
+    log(hb(21_500 + T + 200, 2, epoch=1))
+    log(hb(21_500 + T + 200, 3, epoch=1))
+    log(codec.tick(21_500 + T + 300))
+    r = replica(log)
+    assert r["master"] in (2, 3) and r["epoch"] == 2

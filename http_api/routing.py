@@ -473,7 +473,8 @@ class RoutedProducer:
             p = self._per_group.get(g)
         if p is None:
             c = self.rc.group(g)
-            res = c.request("POST", "/v1/producers", {}, safe=False)
+            # Safe to repeat: an unused producer id expires (see Client.producer).
+            res = c.request("POST", "/v1/producers", {}, safe=True)
             p = IdempotentProducer(c, res["producer_id"], res["epoch"])
             with self._lock:
                 p = self._per_group.setdefault(g, p)

@@ -97,9 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         help="a multi-group run: G broker groups of --nodes voters each, plus a controller "
         "group; queues spread over the groups by the controller (0: one plain cluster)",
     )
-    r.add_argument(
-        "--controller-nodes", type=int, choices=[3, 5], default=3, help="with --groups"
-    )
+    r.add_argument("--controller-nodes", type=int, choices=[3, 5], default=3, help="with --groups")
     r.add_argument(
         "--replication",
         choices=["raft", "controller"],
@@ -221,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     cmp.add_argument(
         "--modes",
-        default="raft-3,cp-3,ap-3,cp-2,ap-2",
+        default="raft-3,raft-5,cp-3,ap-3,cp-2,ap-2",
         help="comma-separated modes, run in this order",
     )
     cmp.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="per mode")

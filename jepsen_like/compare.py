@@ -82,7 +82,7 @@ MODES = {
         Mode("ap-2", "controller", 2, "ap"),
     )
 }
-DEFAULT_MODES = ["raft-3", "cp-3", "ap-3", "cp-2", "ap-2"]
+DEFAULT_MODES = ["raft-3", "raft-5", "cp-3", "ap-3", "cp-2", "ap-2"]
 
 
 def _disk_bytes(root: Path) -> int:
@@ -127,6 +127,10 @@ def summarize_run(mode: Mode, out: Path, rc: int) -> dict[str, Any]:
         "lost": int(counts.get("lost-write", 0)),
         "duplicated": int(counts.get("duplicate", 0)),
         "stale_reads": int(counts.get("stale-read", 0)) + len(lin.get("invalid_keys", [])),
+        # Controller mode: entries replicas cut from their logs when they
+        # joined a new master (forked or unconfirmed tails; never acknowledged
+        # writes unless "lost" says so).
+        "truncated": sum(res["run"].get("truncated_entries", {}).values()),
         "other_anomalies": {
             k: v for k, v in counts.items() if k not in ("lost-write", "duplicate", "stale-read")
         },
@@ -242,6 +246,8 @@ def sentences(rows: list[dict[str, Any]]) -> list[str]:
             cost.append(f"lost {r['lost']} acknowledged writes")
         if r["duplicated"]:
             cost.append(f"stored {r['duplicated']} writes twice")
+        if r.get("truncated"):
+            cost.append(f"cut {r['truncated']} unconfirmed entries from replicas' logs")
         if r["stale_reads"]:
             cost.append(f"served {r['stale_reads']} stale reads or invalid read keys")
         slow = {k: v for k, v in r["rto_ms"].items() if v == float("inf") or v > 3000}
@@ -283,6 +289,7 @@ def html_report(
                 r.get("verdict", r.get("error")),
                 r.get("lost"),
                 r.get("duplicated"),
+                r.get("truncated"),
                 r.get("stale_reads"),
                 r.get("throughput_per_s"),
                 r.get("p50_ms"),
@@ -299,7 +306,7 @@ def html_report(
         )
         + "</tr>"
         if "report" in r
-        else f"<tr><td>{html.escape(r['label'])}</td><td colspan=11>{html.escape(r['error'])}</td></tr>"
+        else f"<tr><td>{html.escape(r['label'])}</td><td colspan=12>{html.escape(r['error'])}</td></tr>"
         for r in rows
     )
     said = "".join(f"<li>{html.escape(s)}</li>" for s in sentences(rows))
@@ -312,17 +319,17 @@ th{{background:#f3f3f3}}</style></head><body>
 <h1>Raft against controller mode: one workload, one fault schedule</h1>
 <p>Seed {seed}, {time_limit_s:.0f} s of load per mode, one broker group and the controller
 group; schedule {html.escape(sched)}, then round robin over {", ".join(KINDS)}.</p>
-<h2>What each fault cost each mode</h2><ul>{said}</ul>
-<h2>Plots</h2>
 {_bars("acknowledged writes lost", ok, "lost")}
 {_bars("writes stored twice", ok, "duplicated")}
+{_bars("entries truncated from replicas' logs (forked or unconfirmed tails)", ok, "truncated")}
 {_bars("stale reads / invalid read keys", ok, "stale_reads")}
 {_bars("acknowledged produces per second (whole run)", ok, "throughput_per_s")}
 {_bars("produce p99 latency (ms)", ok, "p99_ms")}
 {_bars("bytes on disk per acknowledged message (all replicas)", ok, "bytes_per_message")}
 {rto_plots}
+<h2>What each fault cost each mode</h2><ul>{said}</ul>
 <h2>Table</h2>
-<table><tr><th>mode</th><th>verdict</th><th>lost</th><th>duplicated</th><th>stale reads</th>
+<table><tr><th>mode</th><th>verdict</th><th>lost</th><th>duplicated</th><th>truncated</th><th>stale reads</th>
 <th>produces/s</th><th>p50 ms</th><th>p99 ms</th><th>replicas</th><th>bytes/message</th>
 <th>unordered availability in outages</th><th></th></tr>{table_rows}</table>
 </body></html>

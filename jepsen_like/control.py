@@ -302,7 +302,12 @@ class Cluster:
     # -- files -------------------------------------------------------------
     def write_cluster_file(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        lines = ["[cluster]", f"id = {_toml_str(self.cluster_id)}", f"secret = {_toml_str(os.urandom(16).hex())}", ""]
+        lines = [
+            "[cluster]",
+            f"id = {_toml_str(self.cluster_id)}",
+            f"secret = {_toml_str(os.urandom(16).hex())}",
+            "",
+        ]
         if self.node_settings:
             lines.append("[node]")
             for k, v in sorted(self.node_settings.items()):

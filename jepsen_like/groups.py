@@ -433,6 +433,11 @@ class GroupsRunner(Runner):
                 }
                 self.replicas_result = _merge_replicas(per)
                 self.log(f"replicas: {self.replicas_result['divergent_offsets']} divergent offsets")
+                if cfg.replication == "controller":
+                    self.truncated = await self._truncated()
+                    self.log(
+                        f"entries truncated by replicas joining a new master: {self.truncated}"
+                    )
                 self.stats = wl.stats.by_f
                 self.nemesis_events = nem.events
         finally:
@@ -441,8 +446,18 @@ class GroupsRunner(Runner):
                 await c.close()
 
     # -- checking ----------------------------------------------------------------------
+    async def _truncated(self) -> dict[str, int]:
+        """Controller mode: entries each live replica cut from its log when it
+        joined a master (a forked or unconfirmed tail), since it last started."""
+        out: dict[str, int] = {}
+        for c in self.groups.values():
+            for i, st in (await c.statuses()).items():
+                out[str(i)] = int(st.get("counters", {}).get("truncated_entries", 0))
+        return out
+
     def _run_info(self) -> dict[str, Any]:
         return {
+            "truncated_entries": getattr(self, "truncated", {}),
             "replication": self.cfg.replication,
             "cmode": self.cfg.cmode if self.cfg.replication == "controller" else None,
             "groups": self.cfg.groups,

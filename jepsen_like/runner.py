@@ -494,7 +494,6 @@ class Runner:
         sys.stdout.flush()
         return {"valid": 0, "invalid": 1, "unknown": 2}[results["verdict"]]
 
-
     def _run_info(self) -> dict[str, Any]:
         """More facts about the run for ``results["run"]`` (subclasses)."""
         return {}

@@ -554,6 +554,10 @@ class CmodeNode:
             for fn in self._after_sync:
                 self._do(fn(last))
             self._after_sync.clear()
+        if self.cfg.flush == "async":
+            # Acknowledged before fsync (RocketMQ's ASYNC_FLUSH); the page
+            # cache is flushed once per flush_interval_ms, off the loop.
+            await self.env.offload(self._st().maybe_flush, self._clock())
         if self._mlink is not None:
             self._do(self._mlink.pump(now_ms))
         self._apply()

@@ -85,6 +85,7 @@ class Group:
         self.net = MemoryNetwork()
         self.nodes: dict[int, CmodeNode] = {}
         self.storages: list[GuardedStorage] = []
+        self.flush = "sync"
 
     async def start(self, nid: int) -> CmodeNode:
         (self.tmp / f"n{nid}").mkdir(exist_ok=True)
@@ -99,7 +100,8 @@ class Group:
             return guarded, release
 
         env = NodeEnv(make_transport=make_transport, open_storage=open_storage)
-        n = CmodeNode(cfg(self.tmp, nid), LogStateMachine(), self.cmode, env)
+        c = dataclasses.replace(cfg(self.tmp, nid), flush=self.flush, flush_interval_ms=50)
+        n = CmodeNode(c, LogStateMachine(), self.cmode, env)
         await n.start()
         self.nodes[nid] = n
         return n
@@ -300,5 +302,23 @@ async def test_a_master_restarted_before_the_controller_noticed_keeps_its_epoch(
         assert (await n1.propose_entry(b"after")).index == 2
         assert [(e.epoch, e.start) for e in n1.epochs] == [(1, 0)] and n1.fatal is None
         await until(lambda: all(g.nodes[i].applied == 2 for i in IDS))
+    finally:
+        await g.stop_all()
+
+
+async def test_async_flush_acknowledges_before_fsync_and_flushes_on_its_interval(
+    tmp_path: Path,
+) -> None:
+    g = Group(tmp_path, CmodeConfig(all_ack_in_sync_state_set=True))
+    g.flush = "async"
+    for i in IDS:
+        await g.start(i)
+    try:
+        g.assign(1, 1, {1, 2, 3}, 1)
+        await until(g.nodes[1].leader_ready)
+        for k in range(5):
+            await g.nodes[1].propose_entry(f"a{k}".encode())
+        # Every replica's storage flushes within its interval (50 ms here).
+        await until(lambda: all(not s.real._unflushed for s in g.storages), 5)
     finally:
         await g.stop_all()

@@ -324,10 +324,7 @@ class GroupsRunner(Runner):
     async def _run(self, kinds: list[str], hist: Any) -> None:
         cfg = self.cfg
         rng = random.Random(cfg.seed)
-        settings: dict[str, int | str | bool] = {"snapshot_every_entries": 4000}
-        if cfg.flush != "sync":
-            settings["flush"] = cfg.flush
-        settings.update(cfg.node_settings)
+        settings = self._node_settings()
         self._layout_clusters(settings)
         if cfg.replication == "controller":
             broker = cmode_settings(cfg.cmode, cfg.nodes)
@@ -386,14 +383,8 @@ class GroupsRunner(Runner):
             "unordered_processes": wl.processes_of("unordered"),
         }
         meta = {
-            "nodes": cfg.nodes,
+            **self._meta(kinds, settings),
             "learners": 0,
-            "nemesis": kinds,
-            "seed": cfg.seed,
-            "netns": self.netns,
-            "node_env": sorted(cfg.node_env),
-            "flush": str(settings.get("flush", "sync")),
-            "lazyfs": self.lazyfs,
             "replication": cfg.replication,
             "cmode": cfg.cmode if cfg.replication == "controller" else None,
             **self.layout,

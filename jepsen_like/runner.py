@@ -161,6 +161,28 @@ class Runner:
             self.notes.append(msg)
         return kinds
 
+    def _node_settings(self) -> dict[str, int | str | bool]:
+        """The cluster files' [node] settings of every run."""
+        settings: dict[str, int | str | bool] = {"snapshot_every_entries": 4000}
+        if self.cfg.flush != "sync":
+            settings["flush"] = self.cfg.flush
+        settings.update(self.cfg.node_settings)
+        return settings
+
+    def _meta(self, kinds: list[str], settings: dict[str, int | str | bool]) -> dict[str, Any]:
+        """The history header's description of the run."""
+        cfg = self.cfg
+        return {
+            "nodes": cfg.nodes,
+            "learners": cfg.learners,
+            "nemesis": kinds,
+            "seed": cfg.seed,
+            "netns": self.netns,
+            "node_env": sorted(cfg.node_env),
+            "flush": str(settings.get("flush", "sync")),
+            "lazyfs": self.lazyfs,
+        }
+
     def _node_count(self) -> int:
         """How many node processes (and network namespaces) the run has."""
         return self.cfg.nodes + self.cfg.learners
@@ -202,10 +224,7 @@ class Runner:
     async def _run(self, kinds: list[str], hist: Path) -> None:
         cfg = self.cfg
         rng = random.Random(cfg.seed)
-        settings: dict[str, int | str | bool] = {"snapshot_every_entries": 4000}
-        if cfg.flush != "sync":
-            settings["flush"] = cfg.flush
-        settings.update(cfg.node_settings)
+        settings = self._node_settings()
         self.cluster = c = Cluster(
             cfg.out / "cluster",
             voters=cfg.nodes,
@@ -219,17 +238,7 @@ class Runner:
 
         shutil.rmtree(c.root, ignore_errors=True)
         c.write_cluster_file()
-        meta = {
-            "nodes": cfg.nodes,
-            "learners": cfg.learners,
-            "nemesis": kinds,
-            "seed": cfg.seed,
-            "netns": self.netns,
-            "node_env": sorted(cfg.node_env),
-            "flush": str(settings.get("flush", "sync")),
-            "lazyfs": self.lazyfs,
-        }
-        with Writer(hist, metadata=meta) as w:
+        with Writer(hist, metadata=self._meta(kinds, settings)) as w:
             c.start_all()
             self.log(f"started {len(c.ids)} nodes: {[c.members[i].http for i in c.ids]}")
             if not await c.wait_ready(timeout_s=60):

@@ -113,7 +113,9 @@ class CmodeNode:
         self._assignment: tuple[int, int, frozenset[int], int] | None = None
         self._pending: dict[int, asyncio.Future[Applied]] = {}
         self._dirty = False  # appends or truncations not yet synced
-        self._after_sync: list[Callable[[int], list[Action]]] = []
+        # A slave's truncation or append awaits the next sync; the link hears
+        # of it once per sync (one acknowledgement, however many pushes).
+        self._slave_sync_due = False
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._running = False
@@ -480,18 +482,14 @@ class CmodeNode:
                     self._reset_state_machine()
                 self._dirty = True
                 self._save_epochs()
-                link = self._slink
-                if link is not None:
-                    self._after_sync.append(link.on_durable)
+                self._slave_sync_due = self._slink is not None
             elif isinstance(a, Append):
                 st.append(list(a.entries))
                 last_e = a.entries[-1]
                 self._end_pos = last_e.pos + len(last_e.data)
                 self._dirty = True
                 self._save_epochs()  # the link noted a new epoch's start, if any
-                link = self._slink
-                if link is not None:
-                    self._after_sync.append(link.on_durable)
+                self._slave_sync_due = self._slink is not None
             elif isinstance(a, Refuse):
                 self.refusal = a.reason
                 logger.error(
@@ -551,9 +549,9 @@ class CmodeNode:
             last = st.last_index()
             if self._mlink is not None:
                 self._mlink.core.on_local(last)
-            for fn in self._after_sync:
-                self._do(fn(last))
-            self._after_sync.clear()
+            if self._slave_sync_due and self._slink is not None:
+                self._slave_sync_due = False
+                self._do(self._slink.on_durable(last))
         if self.cfg.flush == "async":
             # Acknowledged before fsync (RocketMQ's ASYNC_FLUSH); the page
             # cache is flushed once per flush_interval_ms, off the loop.

@@ -11,11 +11,22 @@ seed, same workload (per queue: ordered producers, a third idempotent,
 head readers, a poller; plus unordered producers), same schedule:
 
     kill:leader, partition:isolate-leader, pause:leader, kill:majority,
-    controller:majority, clock:step, then round robin over kill, pause,
-    partition, clock
+    controller:majority, clock:step, power:all, corrupt, disk, then round
+    robin over kill, pause, partition, clock, controller, power, corrupt,
+    disk
 
 ("leader" is each mode's writer: the Raft leader, the controller-mode
-master). The isolated leader is the case the modes differ on most: a Raft
+master). ``power`` and ``disk`` need the broker group's data directories
+on lazyfs (FUSE; :mod:`jepsen_like.lazyfs`): every mode then runs on it,
+so throughput and latency here are below what ``benchmarks`` measures on a
+plain disk, equally for all modes. Where FUSE is unavailable those steps are
+dropped (the run says so) and the report records it. ``corrupt`` damages a
+stopped replica's data file; it refuses to start and is rebuilt from its
+peers, by the Raft procedure or, in controller mode, once the master's
+SyncStateSet no longer names it
+(:func:`jepsen_like.nemesis.rebuild_cmode_replica`).
+
+The isolated leader is the case the modes differ on most: a Raft
 leader cut off from its group stops confirming at once (and loses its
 lease); a master cut off from the controller and its slaves keeps its role
 (no lease) while the controller elects another.
@@ -52,8 +63,11 @@ COMPARE_SCHEDULE: list[tuple[str, str | None]] = [
     ("kill", "majority"),
     ("controller", "majority"),
     ("clock", "step"),
+    ("power", "all"),
+    ("corrupt", None),
+    ("disk", None),
 ]
-KINDS = ["kill", "pause", "partition", "clock", "controller"]
+KINDS = ["kill", "pause", "partition", "clock", "controller", "power", "corrupt", "disk"]
 RECOVERY_S = 8.0  # RunConfig.recovery_s: the workload runs this long after the last heal
 
 
@@ -92,6 +106,14 @@ def _disk_bytes(root: Path) -> int:
             with contextlib.suppress(OSError):
                 total += os.stat(os.path.join(dirpath, f)).st_blocks * 512
     return total
+
+
+def _fault_counts(events: list[dict[str, Any]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for e in events:
+        k = str(e.get("kind", "?"))
+        out[k] = out.get(k, 0) + 1
+    return out
 
 
 def summarize_run(mode: Mode, out: Path, rc: int) -> dict[str, Any]:
@@ -142,6 +164,9 @@ def summarize_run(mode: Mode, out: Path, rc: int) -> dict[str, Any]:
         "disk_bytes": disk,
         "bytes_per_message": round(disk / produce_ok, 1) if produce_ok else None,
         "unordered_availability": ch.get("groups", {}).get("unordered_availability"),
+        # What the run actually did: steps whose nemesis was unavailable are dropped.
+        "lazyfs": bool(res["run"].get("lazyfs")),
+        "faults": _fault_counts(res["run"].get("nemesis_events", [])),
         "report": str(out / "report.html"),
     }
 
@@ -297,6 +322,7 @@ def html_report(
                 r.get("replicas"),
                 r.get("bytes_per_message"),
                 r.get("unordered_availability"),
+                ", ".join(f"{k} {n}" for k, n in sorted(r.get("faults", {}).items())),
             )
         )
         + (
@@ -306,11 +332,23 @@ def html_report(
         )
         + "</tr>"
         if "report" in r
-        else f"<tr><td>{html.escape(r['label'])}</td><td colspan=12>{html.escape(r['error'])}</td></tr>"
+        else f"<tr><td>{html.escape(r['label'])}</td><td colspan=13>{html.escape(r['error'])}</td></tr>"
         for r in rows
     )
     said = "".join(f"<li>{html.escape(s)}</li>" for s in sentences(rows))
-    sched = ", ".join(f"{k}:{s}" for k, s in COMPARE_SCHEDULE)
+    sched = ", ".join(f"{k}:{s or '*'}" for k, s in COMPARE_SCHEDULE)
+    on_lazyfs = [r["mode"] for r in ok if r.get("lazyfs")]
+    if len(on_lazyfs) == len(ok):
+        lazy = (
+            "The broker group's data directories were on lazyfs (FUSE), for the power and disk "
+            "faults, in every mode: throughput and latency are below a plain disk's, equally."
+        )
+    else:
+        lazy = (
+            "lazyfs (FUSE) was unavailable for "
+            + ", ".join(r["mode"] for r in ok if not r.get("lazyfs"))
+            + ": the power and disk steps were dropped there (see faults injected)."
+        )
     return f"""<!doctype html><html><head><meta charset="utf-8">
 <title>jepsen_like compare</title>
 <style>body{{font-family:sans-serif;margin:20px;max-width:1000px}}
@@ -318,7 +356,8 @@ table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:3px 8px;fo
 th{{background:#f3f3f3}}</style></head><body>
 <h1>Raft against controller mode: one workload, one fault schedule</h1>
 <p>Seed {seed}, {time_limit_s:.0f} s of load per mode, one broker group and the controller
-group; schedule {html.escape(sched)}, then round robin over {", ".join(KINDS)}.</p>
+group; schedule {html.escape(sched)}, then round robin over {", ".join(KINDS)}.
+{lazy}</p>
 {_bars("acknowledged writes lost", ok, "lost")}
 {_bars("writes stored twice", ok, "duplicated")}
 {_bars("entries truncated from replicas' logs (forked or unconfirmed tails)", ok, "truncated")}
@@ -331,7 +370,7 @@ group; schedule {html.escape(sched)}, then round robin over {", ".join(KINDS)}.<
 <h2>Table</h2>
 <table><tr><th>mode</th><th>verdict</th><th>lost</th><th>duplicated</th><th>truncated</th><th>stale reads</th>
 <th>produces/s</th><th>p50 ms</th><th>p99 ms</th><th>replicas</th><th>bytes/message</th>
-<th>unordered availability in outages</th><th></th></tr>{table_rows}</table>
+<th>unordered availability in outages</th><th>faults injected</th><th></th></tr>{table_rows}</table>
 </body></html>
 """
 

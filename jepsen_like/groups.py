@@ -75,11 +75,6 @@ GROUPS_REQUIRED: tuple[tuple[str, str], ...] = (
     ("clock", "step"),
 )
 GROUP_SHAPES = {k: SHAPES[k] for k in GROUP_KINDS}
-# What controller mode cannot be put through: the corrupt nemesis rebuilds a
-# damaged replica only once leadership transfers have moved the term past
-# every vote it could have cast, a Raft notion (controller mode has no
-# votes; its masters are elected by the controller).
-NOT_IN_CONTROLLER_MODE = ("corrupt",)
 
 
 def cmode_settings(preset: str, replicas: int) -> dict[str, int | str | bool]:

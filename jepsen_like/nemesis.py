@@ -534,8 +534,12 @@ class Nemesis:
         await self.rebuild(node, max_term, info)
 
     async def rebuild(self, node: int, max_term: int, info: dict[str, Any]) -> None:
-        """Wipe ``node`` and restart it empty once safe (see :func:`rebuild_replica`)."""
-        await rebuild_replica(self.c, node, max_term, info, self.rng, self.log)
+        """Wipe ``node`` and restart it empty once safe (see :func:`rebuild_replica`
+        and, for a controller-mode group, :func:`rebuild_cmode_replica`)."""
+        if self.c.node_settings.get("replication") == "controller":
+            await rebuild_cmode_replica(self.c, node, info, self.log)
+        else:
+            await rebuild_replica(self.c, node, max_term, info, self.rng, self.log)
         if info.get("rebuilt"):
             self.corrupted.discard(node)
 
@@ -602,6 +606,60 @@ async def rebuild_replica(
     while time.monotonic() - t0 < 30 and c.alive(node):
         s = await c.status(node)
         if s is not None and int(s.get("applied", 0)) >= (floor or 0):
+            caught_up = True
+            break
+        await asyncio.sleep(0.2)
+    info["caught_up"] = caught_up
+    info["catch_up_s"] = round(time.monotonic() - t0, 2)
+    if not caught_up:
+        log(f"node {node}: rebuilt, but not caught up after {info['catch_up_s']} s")
+
+
+async def rebuild_cmode_replica(
+    c: Cluster, node: int, info: dict[str, Any], log: Callable[[str], None]
+) -> None:
+    """Wipe ``node`` of a controller-mode group (stopped, damaged) and
+    restart it empty once safe; return once it holds what the group had
+    confirmed before (or after a bounded wait).
+
+    There are no votes to cast twice here; what could lose data is an empty
+    replica the controller still counts in the SyncStateSet, since an
+    election takes any alive member of that set. So the wipe waits until a
+    master that is not ``node`` runs and its SyncStateSet (which it adopts
+    only once the controller has recorded it) no longer names ``node``: the
+    master shrank it while the node was down, or the controller elected a
+    master without it. The empty replica then joins as a slave from offset
+    0 (no common epoch, and the master's log starts at 0) and rejoins the
+    set once caught up, by the ordinary expansion."""
+    floor: int | None = None
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        st = await c.statuses()
+        master = next((i for i, s in st.items() if s.get("cmode_role") == "master"), None)
+        if master is None or master == node:
+            await asyncio.sleep(0.3)
+            continue
+        sss = [int(x) for x in st[master].get("sync_state_set", [])]
+        if node in sss:
+            await asyncio.sleep(0.3)
+            continue
+        floor = int(st[master].get("confirm", 0))
+        info["rebuild_commit_floor"] = floor
+        info["rebuild_master"] = master
+        info["rebuild_sync_state_set"] = sss
+        break
+    else:
+        info["rebuilt"] = False
+        log(f"node {node}: no master without it in its SyncStateSet in 60 s; leaving it down")
+        return
+    c.wipe(node)
+    c.start(node)
+    info["rebuilt"] = True
+    t0 = time.monotonic()
+    caught_up = False
+    while time.monotonic() - t0 < 30 and c.alive(node):
+        s = await c.status(node)
+        if s is not None and int(s.get("applied", 0)) >= floor:
             caught_up = True
             break
         await asyncio.sleep(0.2)

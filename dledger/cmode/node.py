@@ -52,7 +52,14 @@ from dledger.cmode.master import AlterRequest, CmodeConfig, MasterCore
 from dledger.cmode.replication import Action, Append, MasterLink, Refuse, Send, SlaveLink, Truncate
 from dledger.config import NodeConfig
 from dledger.core.types import Entry, EntryType, Role
-from dledger.errors import ConfigError, DLedgerError, NotLeader, StorageCorrupted, Unavailable
+from dledger.errors import (
+    ConfigError,
+    DLedgerError,
+    NotLeader,
+    StorageCorrupted,
+    StorageFailed,
+    Unavailable,
+)
 from dledger.node import Applied, NodeStopped, OutcomeUnknown, ReadResult
 from dledger.runtime import NodeEnv, NodeStorage, NodeTransport
 from dledger.statemachine import StateMachine
@@ -246,16 +253,21 @@ class CmodeNode:
             return
         path = self._epoch_path()
         tmp = path + ".tmp"
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        dfd = os.open(self.cfg.data_dir, os.O_RDONLY)
         try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+            dfd = os.open(self.cfg.data_dir, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as exc:
+            # A failed write of the epoch file is a failed disk, as for the
+            # log: the node stops rather than go on with an unknown file.
+            raise StorageFailed(f"writing the epoch file {path}: {exc}") from exc
         self._epochs_on_disk = data
 
     # -- the controller's word -----------------------------------------------------------
@@ -519,7 +531,15 @@ class CmodeNode:
                 self._wake.clear()
                 await self._pass()
         except Exception as exc:  # the node stops on any failure, loudly
-            logger.critical("cmode node %d: loop failed: %r", self.cfg.node_id, exc)
+            # The same words as a Raft node's: operators and the harness's
+            # disk nemesis look for DISK_FAILED when a write or fsync failed.
+            logger.critical(
+                "cmode node %d: stopping on %s: %s",
+                self.cfg.node_id,
+                "DISK_FAILED" if isinstance(exc, StorageFailed) else type(exc).__name__,
+                exc,
+                exc_info=not isinstance(exc, DLedgerError),
+            )
             self.fatal = exc
             self._fail_pending(OutcomeUnknown(f"the node failed: {exc!r}"))
             self.failed.set()

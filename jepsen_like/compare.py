@@ -108,6 +108,40 @@ def _disk_bytes(root: Path) -> int:
     return total
 
 
+def losses_by_fault(history: Path, examples: list[dict[str, Any]]) -> dict[str, int]:
+    """Each lost write (a queue checker example) by the fault it was
+    acknowledged in: ``"during <kind>"`` when the last fault to start before
+    its acknowledgement had not healed yet, ``"after <kind>"`` when it had,
+    ``"before any fault"`` otherwise."""
+    starts: list[tuple[int, str]] = []
+    stops: list[int] = []
+    try:
+        with open(history, "rb") as fh:
+            for line in fh:
+                if b'"nemesis"' not in line:
+                    continue
+                o = json.loads(line)
+                if o.get("type") != "nemesis":
+                    continue
+                if o.get("f") == "start":
+                    starts.append((int(o["index"]), str(o.get("kind"))))
+                elif o.get("f") == "stop":
+                    stops.append(int(o["index"]))
+    except (OSError, ValueError):
+        return {}
+    out: dict[str, int] = {}
+    for ex in examples:
+        at = int((ex.get("produce") or {}).get("complete_index", -1))
+        before = [(i, k) for i, k in starts if i <= at]
+        if not before:
+            tag = "before any fault"
+        else:
+            i, k = before[-1]
+            tag = f"{'after' if any(i < j <= at for j in stops) else 'during'} {k}"
+        out[tag] = out.get(tag, 0) + 1
+    return out
+
+
 def _fault_counts(events: list[dict[str, Any]]) -> dict[str, int]:
     out: dict[str, int] = {}
     for e in events:
@@ -167,6 +201,13 @@ def summarize_run(mode: Mode, out: Path, rc: int) -> dict[str, Any]:
         # What the run actually did: steps whose nemesis was unavailable are dropped.
         "lazyfs": bool(res["run"].get("lazyfs")),
         "faults": _fault_counts(res["run"].get("nemesis_events", [])),
+        # Where the lost writes were acknowledged (of the examples the queue
+        # checker keeps): which fault they are the price of.
+        "lost_when": losses_by_fault(
+            out / "history.jsonl", q.get("examples", {}).get("lost-write", [])
+        )
+        if counts.get("lost-write")
+        else {},
         "report": str(out / "report.html"),
     }
 
@@ -268,7 +309,21 @@ def sentences(rows: list[dict[str, Any]]) -> list[str]:
             continue
         cost = []
         if r["lost"]:
-            cost.append(f"lost {r['lost']} acknowledged writes")
+            when = r.get("lost_when") or {}
+            cost.append(
+                f"lost {r['lost']} acknowledged writes"
+                + (
+                    " (acknowledged "
+                    + ", ".join(f"{k}: {n}" for k, n in sorted(when.items()))
+                    + (
+                        f", of {sum(when.values())} examined)"
+                        if sum(when.values()) < r["lost"]
+                        else ")"
+                    )
+                    if when
+                    else ""
+                )
+            )
         if r["duplicated"]:
             cost.append(f"stored {r['duplicated']} writes twice")
         if r.get("truncated"):

@@ -49,8 +49,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import re
 import shutil
 import time
+from pathlib import Path
 from typing import Any, cast
 
 from jepsen_like import replicas
@@ -75,6 +77,19 @@ GROUPS_REQUIRED: tuple[tuple[str, str], ...] = (
     ("clock", "step"),
 )
 GROUP_SHAPES = {k: SHAPES[k] for k in GROUP_KINDS}
+
+
+_TRUNCATED = re.compile(rb"TRUNCATED (\d+) entries after index")
+
+
+def truncated_in_log(path: Path) -> int:
+    """Entries a controller-mode replica's log says it truncated (its
+    ``TRUNCATED n entries`` lines), 0 when there is no log."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return 0
+    return sum(int(m.group(1)) for m in _TRUNCATED.finditer(data))
 
 
 def cmode_settings(preset: str, replicas: int) -> dict[str, int | str | bool]:
@@ -433,12 +448,14 @@ class GroupsRunner(Runner):
 
     # -- checking ----------------------------------------------------------------------
     async def _truncated(self) -> dict[str, int]:
-        """Controller mode: entries each live replica cut from its log when it
-        joined a master (a forked or unconfirmed tail), since it last started."""
+        """Controller mode: entries each replica cut from its log when it
+        joined a master (a forked or unconfirmed tail), over the whole run:
+        counted from the nodes' logs, which outlive restarts and rebuilds
+        (a status counter starts again at each start)."""
         out: dict[str, int] = {}
         for c in self.groups.values():
-            for i, st in (await c.statuses()).items():
-                out[str(i)] = int(st.get("counters", {}).get("truncated_entries", 0))
+            for i in c.members:
+                out[str(i)] = truncated_in_log(c.root / f"node-{i}.log")
         return out
 
     def _run_info(self) -> dict[str, Any]:

@@ -487,6 +487,16 @@ class CmodeNode:
                 last = st.last_index()
                 if a.to < last:
                     self.counters["truncated_entries"] += last - a.to
+                    # The words jepsen_like counts (node logs outlive restarts).
+                    logger.warning(
+                        "cmode node %d: TRUNCATED %d entries after index %d to follow master %d "
+                        "(epoch %d)",
+                        self.cfg.node_id,
+                        last - a.to,
+                        a.to,
+                        self.master_id,
+                        self.epoch,
+                    )
                     st.truncate_from(a.to + 1)
                     ends = st.entries(a.to, a.to + 1) if a.to >= st.first_index() else []
                     self._end_pos = ends[0].pos + len(ends[0].data) if ends else 0

@@ -7,7 +7,11 @@ detail), ``results.md`` (Markdown tables), ``plots/*.png`` and
 ``index.html``. ``python -m benchmarks list`` names the benchmarks.
 
 A benchmark that fails is recorded with its error and the run goes on; the
-exit code is 1 when any failed.
+exit code is 1 when any failed. A benchmark that cannot run here (a peer's
+server not installed) is recorded as ``skipped`` with the reason and does not
+fail the run. The 1-minute load average is recorded at the start and end of
+every benchmark; when it exceeds the number of cores, the report and the goals
+say that the ratios of this run are not trustworthy.
 """
 
 from __future__ import annotations
@@ -34,10 +38,11 @@ from benchmarks import (  # noqa: F401
     bench_groups,
     bench_http,
     bench_looplag,
+    bench_peers,
     bench_read,
 )
-from benchmarks.goals import evaluate
-from benchmarks.registry import REGISTRY, Context, Figure
+from benchmarks.goals import evaluate, max_load1
+from benchmarks.registry import REGISTRY, Context, Figure, Skipped
 from benchmarks.report import write_html, write_markdown, write_plots
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -117,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
             b = REGISTRY[name]
             ctx.log(f"== {name}: {b.summary}")
             tb = time.monotonic()
-            entry: dict[str, Any] = {"summary": b.summary}
+            entry: dict[str, Any] = {"summary": b.summary, "loadavg_start": list(os.getloadavg())}
             try:
                 r = b.fn(ctx)
                 entry.update(
@@ -126,6 +131,9 @@ def run(args: argparse.Namespace) -> int:
                     notes=r.notes,
                     raw=r.raw,
                 )
+            except Skipped as exc:
+                ctx.log(f"-- {name} skipped: {exc}")
+                entry.update(figures=[], series=[], notes=[], raw={}, skipped=str(exc))
             except Exception as exc:
                 failed.append(name)
                 ctx.log(f"!! {name} failed: {type(exc).__name__}: {exc}")
@@ -137,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
                     error=f"{type(exc).__name__}: {exc}",
                 )
             entry["wall_s"] = time.monotonic() - tb
+            entry["loadavg_end"] = list(os.getloadavg())
             ctx.log(f"== {name} done in {entry['wall_s']:.1f}s")
             benches[name] = entry
     finally:
@@ -146,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
         for b in benches.values()
         for f in b["figures"]
     }
+    load_after = list(os.getloadavg())
+    load1 = max_load1([load_before, load_after], benches)
     results: dict[str, Any] = {
         "schema": SCHEMA,
         "meta": {
@@ -159,11 +170,13 @@ def run(args: argparse.Namespace) -> int:
             "host": {
                 "cpus": os.cpu_count(),
                 "loadavg_before": load_before,
-                "loadavg_after": list(os.getloadavg()),
+                "loadavg_after": load_after,
+                "loadavg_max_1m": load1,
+                "load_trustworthy": load1 <= (os.cpu_count() or 1),
             },
         },
         "benchmarks": benches,
-        "goals": evaluate(figs),
+        "goals": evaluate(figs, load1=load1, cpus=os.cpu_count()),
     }
     write_plots(results, out / "plots")
     results = _clean(results)
@@ -171,6 +184,10 @@ def run(args: argparse.Namespace) -> int:
     write_markdown(results, out / "results.md")
     write_html(results, out / "index.html")
     ctx.log(f"wrote {out / 'results.json'}, results.md, index.html, plots/")
+    ctx.log(
+        f"load average (1 min): before {load_before[0]:.2f}, after {load_after[0]:.2f}, "
+        f"highest recorded {load1:.2f} on {os.cpu_count()} cores"
+    )
     for g in results["goals"]:
         status = {True: "met", False: "NOT MET", None: "n/a"}[g["met"]]
         v = "-" if g["value"] is None else f"{g['value']:.3g} {g['unit']}"

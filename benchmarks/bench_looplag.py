@@ -113,7 +113,7 @@ class _Producer(threading.Thread):
         body = orjson.dumps({"messages": [{"value": "x", "encoding": "utf-8"}]})
         while not self.halt.is_set():
             t0 = time.monotonic()
-            with contextlib.suppress(HTTP_ERRORS):
+            with contextlib.suppress(*HTTP_ERRORS):
                 http_request(self.addr, "POST", f"/v1/topics/{TOPIC}/messages", body, 30)
             self.stamps.append((t0, time.monotonic() - t0))
 
@@ -129,7 +129,7 @@ class _Producer(threading.Thread):
 def run_loop_lag(ctx: Context) -> BenchResult:
     res = BenchResult()
     repeats = 5 if ctx.quick else 20
-    settings = {"map_size_bytes": 4 << 30}
+    settings: dict[str, object] = {"map_size_bytes": 4 << 30}
     with cluster(ctx, voters=3, settings=settings) as (lc, leader):
         addr = lc.http(leader)
         cfg = lc.spec.node_config(leader)

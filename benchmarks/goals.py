@@ -3,6 +3,11 @@
 Each goal is a ratio or a bound measured in the same run; a goal whose
 figures were not measured (``--only``, or 10M messages without ``--big``)
 is reported with ``met: None`` and says why.
+
+The ratios only mean something when the machine was not busy with other
+work: when the 1-minute load average recorded during the run exceeds the
+number of cores, the first goal says so (not met) and every measured goal's
+detail says its ratio is not trustworthy.
 """
 
 from __future__ import annotations
@@ -29,21 +34,67 @@ def _goal(
     }
 
 
-def _ratio(figs: dict[str, Figure], ours: str, peer: str) -> tuple[float | None, str]:
+def _fmt(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def _ratio(
+    figs: dict[str, Figure], ours: str, peer: str, peer_name: str = "peer"
+) -> tuple[float | None, str]:
     a, b = figs.get(ours), figs.get(peer)
-    if a is None or b is None or not b.median:
+    if a is None or b is None or not b.median or b.median != b.median:
         return None, f"not measured in this run ({ours if a is None else peer} missing)"
     r = a.median / b.median
     lo = a.min / b.max if b.max else float("nan")
     hi = a.max / b.min if b.min else float("nan")
     return r, (
-        f"{a.median:,.0f} {a.unit} vs peer {b.median:,.0f} {b.unit} "
-        f"(ratio range over repeats {lo:.2f}-{hi:.2f})"
+        f"{_fmt(a.median)} {a.unit} vs {peer_name} {_fmt(b.median)} {b.unit} "
+        f"(ratio range over repeats {lo:.2f}-{hi:.2f}, n={min(a.n, b.n)})"
     )
 
 
-def evaluate(figs: dict[str, Figure]) -> list[dict[str, Any]]:
+def max_load1(samples: list[list[float]], benches: dict[str, Any]) -> float:
+    """The highest 1-minute load average recorded: ``samples`` (the run's
+    before/after), each benchmark's start/end and each of its rounds'."""
+    vals = [s[0] for s in samples if s]
+    for b in benches.values():
+        recs: list[Any] = [b]
+        rounds = (b.get("raw") or {}).get("rounds")
+        if isinstance(rounds, list):
+            recs += [r for r in rounds if isinstance(r, dict)]
+        for r in recs:
+            for k in ("loadavg_start", "loadavg_end"):
+                if r.get(k):
+                    vals.append(float(r[k][0]))
+    return max(vals) if vals else 0.0
+
+
+def load_warning(load1: float | None, cpus: int | None) -> str | None:
+    """Words for a run whose ratios cannot be trusted, or None."""
+    if load1 is None or not cpus or load1 <= cpus:
+        return None
+    return (
+        f"the 1-minute load average reached {load1:.2f} on {cpus} cores (other work "
+        "competed for the CPU): the ratios of this run are not trustworthy"
+    )
+
+
+def evaluate(
+    figs: dict[str, Figure], load1: float | None = None, cpus: int | None = None
+) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
+    if load1 is not None and cpus:
+        warn = load_warning(load1, cpus)
+        out.append(
+            _goal(
+                "machine not overloaded during the run (highest 1-minute load average)",
+                f"<= {cpus} (cores)",
+                load1,
+                "",
+                warn is None,
+                warn or "load within the core count: ratios comparable",
+            )
+        )
     r, d = _ratio(figs, "http_produce.batched.msg_per_s", peer_key(3, 100, "pipelined"))
     out.append(
         _goal(
@@ -137,6 +188,77 @@ def evaluate(figs: dict[str, Figure]) -> list[dict[str, Any]]:
             "per-node anonymous RSS (heap; VmRSS minus mapped LMDB pages) flat from 1M to 10M",
         )
     )
+    out += _peer_goals(figs)
+    warn = load_warning(load1, cpus)
+    if warn:
+        for g in out:
+            if g["value"] is not None and not g["goal"].startswith("machine not overloaded"):
+                g["detail"] += f"; NOT TRUSTWORTHY: {warn}"
+    return out
+
+
+def _peer_goals(figs: dict[str, Figure]) -> list[dict[str, Any]]:
+    """Ours against etcd (flush=sync) and NATS JetStream (flush=async)."""
+    out: list[dict[str, Any]] = []
+    e = "vs_etcd"
+    for shape, goal, target, bound, higher in (
+        ("single32.msg_per_s", "one message per request, 32 clients", ">= 1.5x", 1.5, True),
+        ("single1.p50_ms", "one message per request, 1 client: p50 latency", "<= 1x", 1.0, False),
+        (
+            "single1.cpu_us_per_msg",
+            "server CPU per message (3 servers, 1 client)",
+            "<= 1x",
+            1.0,
+            False,
+        ),
+        ("batched.msg_per_s", "batched (100 x 100 B, 8 in flight)", ">= 3x", 3.0, True),
+    ):
+        r, d = _ratio(figs, f"{e}.ours.{shape}", f"{e}.etcd.{shape}", "etcd")
+        met = None if r is None else (r >= bound if higher else r <= bound)
+        out.append(_goal(f"{goal}: ours (sync) vs etcd", target, r, "x", met, d))
+    idle = figs.get(f"{e}.ours.idle_cpu_pct") or figs.get("vs_nats.ours.idle_cpu_pct")
+    refs = [
+        f"{name} {f.median:.2f}%"
+        for name, key in (("etcd", f"{e}.etcd.idle_cpu_pct"), ("NATS", "vs_nats.nats.idle_cpu_pct"))
+        if (f := figs.get(key)) is not None and f.n
+    ]
+    out.append(
+        _goal(
+            "idle CPU per server process, ours (busiest of 3, no load)",
+            "<= 1 % of a core",
+            idle.median if idle else None,
+            "% core",
+            None if idle is None or not idle.n else idle.median <= 1.0,
+            (
+                f"{idle.key}; range over repeats {idle.min:.2f}-{idle.max:.2f}%"
+                + (f"; for reference {', '.join(refs)}" if refs else "")
+            )
+            if idle
+            else "not measured in this run",
+        )
+    )
+    n = "vs_nats"
+    nf = figs.get(f"{n}.nats.batched.msg_per_s")
+    durability = str(nf.config.get("durability", "")) if nf else ""
+    for shape, goal in (
+        ("batched.msg_per_s", "batched (100 x 100 B, 8 in flight)"),
+        ("single32.msg_per_s", "one message per request, 32 clients"),
+        ("single1.msg_per_s", "one message per request, 1 client"),
+        ("single1.p50_ms", "one message per request, 1 client: p50 latency"),
+    ):
+        r, d = _ratio(figs, f"{n}.ours.{shape}", f"{n}.nats.{shape}", "NATS")
+        if r is not None and durability:
+            d += f"; {durability}"
+        out.append(
+            _goal(
+                f"{goal}: ours (async) vs NATS JetStream (information)",
+                "no target",
+                r,
+                "x",
+                None,
+                d,
+            )
+        )
     return out
 
 

@@ -151,6 +151,11 @@ class Benchmark:
 REGISTRY: dict[str, Benchmark] = {}
 
 
+class Skipped(Exception):
+    """Raised by a benchmark that cannot run here (e.g. a peer's server is not
+    installed): the run records ``skipped: <reason>`` and goes on; not a failure."""
+
+
 def benchmark(name: str, summary: str, needs: tuple[str, ...] = ()) -> Callable[[BenchFn], BenchFn]:
     """Register ``fn`` as benchmark ``name`` (run in registration order)."""
 

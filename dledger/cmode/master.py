@@ -127,6 +127,8 @@ class MasterCore:
     max_offset: int = 0  # the master's own log, as far as it counts (flushed in sync mode)
     confirm: int = 0
     started_ms: int = 0  # a slave not heard from counts as caught up until max_lag_ms after this
+    # Planted bug cmode_confirm_from_master (dledger/faults.py), tests only.
+    confirm_from_master: bool = False
     _slaves: dict[int, _Slave] = field(default_factory=dict)
     _pending: AlterRequest | None = None
 
@@ -241,6 +243,9 @@ class MasterCore:
         return now_ms - s.caught_up_ms > self.cfg.max_lag_ms
 
     def _recompute(self) -> None:
+        if self.confirm_from_master:  # planted bug: the set's acknowledgements ignored
+            self.confirm = max(self.confirm, self.max_offset)
+            return
         offs = sorted((self.acked(m) for m in self.sync_state_set), reverse=True)
         k = self.required_acks()
         if k > len(offs):

@@ -46,6 +46,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from dledger import faults
 from dledger.cmode import codec
 from dledger.cmode.epochs import EpochMap
 from dledger.cmode.master import AlterRequest, CmodeConfig, MasterCore
@@ -324,6 +325,7 @@ class CmodeNode:
             max_offset=last,
             confirm=last,
             started_ms=now_ms,
+            confirm_from_master=faults.on(faults.CMODE_CONFIRM_FROM_MASTER),  # planted bug
         )
         self._mlink = MasterLink(core, st, self.epochs)
         self._slink = None
@@ -346,7 +348,14 @@ class CmodeNode:
             )
         self._mlink = None
         self.master_id, self.epoch = master, epoch
-        self._slink = SlaveLink(self.cfg.node_id, master, epoch, self._st(), self.epochs)
+        self._slink = SlaveLink(
+            self.cfg.node_id,
+            master,
+            epoch,
+            self._st(),
+            self.epochs,
+            skip_truncation=faults.on(faults.CMODE_SKIP_TRUNCATION),  # planted bug
+        )
         self.refusal = ""
         self._do(self._slink.start(now_ms))
 

@@ -194,6 +194,8 @@ class SlaveLink:
     refusal: str = ""
     retry_ms: int = 500
     heard_ms: int = 0  # when the master was last heard (or a JOIN last sent)
+    # Planted bug cmode_skip_truncation (dledger/faults.py), tests only.
+    skip_truncation: bool = False
 
     def start(self, now_ms: int = 0) -> list[Action]:
         self.state = "joining"
@@ -260,6 +262,8 @@ class SlaveLink:
             self.refusal = f"case {d.case}: {d.reason}"
             return [Refuse(self.refusal)]
         point = d.offset if d.action is JoinAction.FOLLOW else 0
+        if self.skip_truncation and d.action is JoinAction.FOLLOW and point < hi <= msg.max:
+            point = hi  # planted bug: the forked tail is kept and followed from
         self.epochs.truncate_to(point)
         self.state = "truncating"
         self.pending = point

@@ -28,13 +28,14 @@ thread while the loop keeps applying.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import struct
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import Protocol, cast
 
 import lmdb
 
@@ -82,6 +83,14 @@ class Bodies(Protocol):
     def index_get(self, qid: int, off: int) -> IndexEntry: ...
 
     def index_delete(self, qid: int, lo: int, hi: int) -> None: ...
+
+    # bulk reads of one consume page (raise BodyMissing as get/index_get do)
+    def get_many(self, phys: Sequence[int], sizes: Sequence[int] | None = None) -> list[bytes]:
+        """Records by physical offset; ``sizes``: their sizes per the index
+        (a store may use them to read adjacent records together)."""
+        ...
+
+    def index_many(self, qid: int, lo: int, hi: int) -> list[IndexEntry]: ...
 
     def replace_all(
         self,
@@ -152,6 +161,18 @@ class MemoryBodies:
     def index_delete(self, qid: int, lo: int, hi: int) -> None:
         for off in range(lo, hi):
             self._idx.pop((qid, off), None)
+
+    def get_many(self, phys: Sequence[int], sizes: Sequence[int] | None = None) -> list[bytes]:
+        try:
+            return [self._d[p] for p in phys]
+        except KeyError as exc:
+            raise BodyMissing(f"no stored record at physical offset {exc.args[0]}") from None
+
+    def index_many(self, qid: int, lo: int, hi: int) -> list[IndexEntry]:
+        try:
+            return [self._idx[(qid, off)] for off in range(lo, hi)]
+        except KeyError as exc:
+            raise BodyMissing(f"no index entry for queue {qid} offset {exc.args[0][1]}") from None
 
     def replace_all(
         self,
@@ -354,6 +375,86 @@ class LmdbBodies:
             with env.begin() as txn:
                 value = txn.get(key, db=db)
         return None if value is None else bytes(value)
+
+    def _read_many(
+        self, keys: list[bytes], pending: dict[bytes, bytes | None], which: int
+    ) -> list[bytes | None]:
+        """:meth:`_read` of every key, in one LMDB call for those not pending."""
+        env, recs, idx = self._open()
+        db = recs if which == 0 else idx
+        ask = [k for k in keys if k not in pending] if pending else keys
+        txn = self._rtxn if self._rtxn is not None else env.begin()
+        try:
+            got = txn.cursor(db=db).getmulti(ask)
+        finally:
+            if txn is not self._rtxn:
+                txn.abort()
+        # values are bytes: the cursor was not asked for buffers
+        if not pending and len(got) == len(keys):  # all there, in order
+            return [v for _, v in got]  # type: ignore[misc]
+        found: dict[bytes, bytes] = dict(got)  # type: ignore[arg-type]
+        return [pending[k] if k in pending else found.get(k) for k in keys]
+
+    def _scan(self, which: int, first: bytes, last: bytes, n: int) -> list[bytes] | None:
+        """The ``n`` values from key ``first`` to key ``last`` in one cursor
+        pass, or None when the store does not hold exactly that many there."""
+        env, recs, idx = self._open()
+        txn = self._rtxn if self._rtxn is not None else env.begin()
+        try:
+            cur = txn.cursor(db=recs if which == 0 else idx)
+            if not cur.set_key(first):
+                return None
+            # bytes, not buffers: the transaction was not opened with buffers=True
+            it = cast(Iterator[bytes], cur.iternext(keys=False, values=True))
+            vals = list(itertools.islice(it, n))
+            return vals if len(vals) == n and cur.key() == last else None
+        finally:
+            if txn is not self._rtxn:
+                txn.abort()
+
+    def get_many(self, phys: Sequence[int], sizes: Sequence[int] | None = None) -> list[bytes]:
+        """With ``sizes`` (the index's), runs of adjacent records (each one
+        starting where the last one ends: nothing else can be stored between
+        them) are read in one cursor pass each, and every record's length
+        must be its size; pending (uncommitted) ones are read one by one."""
+        n = len(phys)
+        if sizes is not None and n:
+            pack, pending = _KEY.pack, self._pending
+            if not (pending and pack(phys[-1]) in pending):
+                out: list[bytes] = []
+                start = 0
+                while start < n:
+                    end = start + 1
+                    while end < n and phys[end] == phys[end - 1] + sizes[end - 1]:
+                        end += 1
+                    vals = self._scan(0, pack(phys[start]), pack(phys[end - 1]), end - start)
+                    if vals is None or list(map(len, vals)) != list(sizes[start:end]):
+                        break
+                    out += vals
+                    start = end
+                else:
+                    return out
+        pack = _KEY.pack
+        recs = self._read_many([pack(p) for p in phys], self._pending, 0)
+        if None in recs:
+            raise BodyMissing(f"no stored record at physical offset {phys[recs.index(None)]}")
+        return recs  # type: ignore[return-value]  # no None left
+
+    def index_many(self, qid: int, lo: int, hi: int) -> list[IndexEntry]:
+        """Queue offsets are adjacent keys: one cursor pass, unless the last
+        one is still pending (appends since the last commit are a suffix)."""
+        if hi <= lo:
+            return []
+        pack = _IKEY.pack
+        last = pack(qid, hi - 1)
+        if not (self._pending_idx and last in self._pending_idx):
+            vals = self._scan(1, pack(qid, lo), last, hi - lo)
+            if vals is not None:
+                return list(_IVAL.iter_unpack(b"".join(vals)))
+        values = self._read_many([pack(qid, off) for off in range(lo, hi)], self._pending_idx, 1)
+        if None in values:
+            raise BodyMissing(f"no index entry for queue {qid} offset {lo + values.index(None)}")
+        return list(_IVAL.iter_unpack(b"".join(values)))  # type: ignore[arg-type]
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:

@@ -646,8 +646,9 @@ def tag_hash(tag: str) -> int:
     return zlib.crc32(tag.encode("utf-8")) if tag else 0
 
 
-def decode_record(rec: bytes) -> Record:
-    """A whole record; checks its length, version and CRC."""
+def check_record(rec: bytes) -> tuple[int, int]:
+    """Length, CRC and version of a whole stored record (every read checks
+    them before serving it); ``(born_ts_ms, requested queue)``."""
     if len(rec) < _REC_FIXED.size:
         raise MalformedCommand("truncated record")
     size, crc, ver, born, queue = _REC_FIXED.unpack_from(rec, 0)
@@ -655,6 +656,12 @@ def decode_record(rec: bytes) -> Record:
         raise MalformedCommand("record CRC or length mismatch")
     if ver != RECORD_VERSION:
         raise MalformedCommand(f"record version {ver} is not supported")
+    return born, queue
+
+
+def decode_record(rec: bytes) -> Record:
+    """A whole record; checks its length, version and CRC."""
+    born, queue = check_record(rec)
     r = _Reader(rec, _REC_FIXED.size)
     shard = r.s16()
     tag = r.s16()
@@ -665,6 +672,81 @@ def decode_record(rec: bytes) -> Record:
     (nb,) = r.unpack(_U32)
     body = r.take(nb)
     return Record(born, queue, shard, tag, keys, props, body)
+
+
+class BadRecord(MalformedCommand):
+    """:func:`decode_columns`: the record at ``index`` fails its checks."""
+
+    def __init__(self, index: int, why: str) -> None:
+        super().__init__(why)
+        self.index = index
+
+
+@dataclass(slots=True)
+class RecordColumns:
+    """Records decoded column by column (:func:`decode_columns`): list and
+    map columns as offsets into flat value lists, Arrow's layout."""
+
+    born_ts_ms: list[int] = field(default_factory=list)
+    tags: list[str | None] = field(default_factory=list)  # None: no tag
+    key_offsets: list[int] = field(default_factory=lambda: [0])
+    keys: list[str] = field(default_factory=list)
+    prop_offsets: list[int] = field(default_factory=lambda: [0])
+    prop_keys: list[str] = field(default_factory=list)
+    prop_values: list[str] = field(default_factory=list)
+    bodies: list[bytes] = field(default_factory=list)
+
+    def add(self, rec: Record) -> None:
+        self.born_ts_ms.append(rec.born_ts_ms)
+        self.tags.append(rec.tag or None)
+        self.keys.extend(rec.keys)
+        self.key_offsets.append(len(self.keys))
+        for k, v in rec.properties:
+            self.prop_keys.append(k)
+            self.prop_values.append(v)
+        self.prop_offsets.append(len(self.prop_keys))
+        self.bodies.append(rec.body)
+
+
+# After the fixed fields: sharding key length, tag length, key count,
+# property count, body length: the whole header of a record that has none
+# of them, in one unpack.
+_REC_PLAIN = struct.Struct(">HHHHI")
+_PLAIN_AT = _REC_FIXED.size
+_PLAIN_BODY_AT = _REC_FIXED.size + _REC_PLAIN.size
+
+
+def decode_columns(recs: Sequence[bytes]) -> RecordColumns:
+    """:func:`decode_record` of every record, as columns and without an
+    object per record: each one's length, CRC and version are checked
+    (:func:`check_record`); a record with no sharding key, tag, keys or
+    properties takes a one-unpack path, any other the full decoder. Raises
+    :class:`BadRecord` naming the first record that fails."""
+    out = RecordColumns()
+    born_col, tags, bodies = out.born_ts_ms, out.tags, out.bodies
+    key_offs, prop_offs = out.key_offsets, out.prop_offsets
+    plain = _REC_PLAIN.unpack_from
+    check = check_record
+    nk = np_ = 0
+    for k, rec in enumerate(recs):
+        try:
+            born, _queue = check(rec)
+            if len(rec) >= _PLAIN_BODY_AT:
+                n_shard, n_tag, n_keys, n_props, n_body = plain(rec, _PLAIN_AT)
+                if not (n_shard or n_tag or n_keys or n_props):
+                    if _PLAIN_BODY_AT + n_body > len(rec):
+                        raise MalformedCommand("truncated command")
+                    born_col.append(born)
+                    tags.append(None)
+                    key_offs.append(nk)
+                    prop_offs.append(np_)
+                    bodies.append(rec[_PLAIN_BODY_AT : _PLAIN_BODY_AT + n_body])
+                    continue
+            out.add(decode_record(rec))
+            nk, np_ = len(out.keys), len(out.prop_keys)
+        except MalformedCommand as exc:
+            raise BadRecord(k, str(exc)) from None
+    return out
 
 
 # ---------------------------------------------------------------------------

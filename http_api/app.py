@@ -72,6 +72,7 @@ from dledger.http_auth import ROUTE_ROLES as APP_ROUTE_ROLES
 from dledger.http_auth import RouteRole
 from dledger.metrics import Histogram, labels_text, render_histogram
 from dledger.node import Node, OutcomeUnknown
+from http_api import arrow
 from http_api.errors import LeaderNotReady, envelope, error_response, json_response
 from http_api.guard import GUARD_KEY, JSON_BODY
 from http_api.openapi import openapi_document
@@ -80,7 +81,7 @@ from http_api.schema import YIELD_EVERY
 logger = logging.getLogger(__name__)
 
 MAX_WAIT_MS = 30_000
-MAX_MESSAGES = 1000
+MAX_MESSAGES = arrow.JSON_MAX_MESSAGES
 MAX_READ_BYTES = 8 << 20
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -380,35 +381,65 @@ class BrokerApi:
         return consistency
 
     async def consume(self, request: web.Request) -> web.Response:
+        """JSON, or with ``Accept: application/vnd.apache.arrow.stream`` an
+        Arrow IPC stream of the same page (:mod:`http_api.arrow`)."""
+        as_arrow = arrow.wants_arrow(request.headers.get("Accept", ""))
+        pa = arrow.load_pyarrow() if as_arrow else None
+        if as_arrow and pa is None:
+            return envelope(
+                406,
+                "ARROW_UNAVAILABLE",
+                f"this node cannot answer {arrow.ARROW_STREAM}: pyarrow is not installed "
+                "on it; ask for application/json",
+            )
         topic = codec.check_name(request.match_info["topic"])
         try:
             queue = int(request.match_info["queue"])
         except ValueError:
             raise InvalidArgument("queue must be an integer", field="queue") from None
         offset = _int_q(request, "offset", 0, 0, 1 << 62)
-        max_messages = _int_q(request, "max_messages", 32, 1, MAX_MESSAGES)
+        max_messages = _int_q(
+            request, "max_messages", 32, 1, arrow.ARROW_MAX_MESSAGES if as_arrow else MAX_MESSAGES
+        )
         max_bytes = _int_q(request, "max_bytes", 1 << 20, 1, MAX_READ_BYTES)
         wait_ms = _int_q(request, "wait_ms", 0, 0, MAX_WAIT_MS)
         tag = request.query.get("tag") or None
         as_text = request.query.get("encoding", "base64") == "utf-8"
         await self._read_barrier(request)
         broker = self.sm.broker
-        res = broker.read(topic, queue, offset, max_messages, max_bytes, tag)
         deadline = time.monotonic() + wait_ms / 1000
-        while not res.messages and time.monotonic() < deadline:
-            self._waiters += 1
-            try:
-                ev = self._applied
-                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                    await ev.wait()
-            except TimeoutError:
-                pass
-            finally:
-                self._waiters -= 1
-            if not self.node.running:
-                break
+        if pa is not None:
+            cols = broker.read_columns(topic, queue, offset, max_messages, max_bytes, tag)
+            while not len(cols) and await self._wait_applied(deadline):
+                cols = broker.read_columns(
+                    topic, queue, cols.next_offset, max_messages, max_bytes, tag
+                )
+            body = arrow.ipc_stream(pa, arrow.record_batch(pa, topic, queue, cols))
+            return web.Response(
+                body=memoryview(body),
+                headers=arrow.headers(cols, broker.confirm_offset),
+                content_type=arrow.ARROW_STREAM,
+            )
+        res = broker.read(topic, queue, offset, max_messages, max_bytes, tag)
+        while not res.messages and await self._wait_applied(deadline):
             res = broker.read(topic, queue, res.next_offset, max_messages, max_bytes, tag)
         return json_response(_read_json(res, broker.confirm_offset, as_text))
+
+    async def _wait_applied(self, deadline: float) -> bool:
+        """Long-poll: wait for the next apply until ``deadline``; False when
+        the wait is over (deadline passed, or the node stopped)."""
+        if time.monotonic() >= deadline:
+            return False
+        self._waiters += 1
+        try:
+            ev = self._applied
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                await ev.wait()
+        except TimeoutError:
+            pass
+        finally:
+            self._waiters -= 1
+        return bool(self.node.running)
 
     # -- groups -------------------------------------------------------------------
     async def get_offsets(self, request: web.Request) -> web.Response:

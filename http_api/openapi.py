@@ -20,6 +20,8 @@ from typing import Any
 from aiohttp import web
 
 from broker_adapter.codec import DEFAULT_LIMITS, MAX_QUEUES, NAME_MAX_LEN
+from http_api.arrow import ARROW_MAX_MESSAGES, ARROW_STREAM, JSON_MAX_MESSAGES
+from http_api.arrow import COLUMNS as ARROW_COLUMNS
 
 _PARAM = re.compile(r"{(\w+)}")
 MAX_KEYS = DEFAULT_LIMITS.max_keys  # keys (and tags) of one message
@@ -342,6 +344,22 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "OpenApiDocument": _obj(["openapi", "info", "paths"], {"openapi": _STR}, extra=True),
 }
 
+_ARROW_TEXT = (
+    "Sent when Accept names this type: an Arrow IPC stream of one record batch, the "
+    "messages the JSON answer would carry, columns "
+    + ", ".join(f"{name} ({kind})" for name, kind, _ in ARROW_COLUMNS)
+    + f"; max_messages may go up to {ARROW_MAX_MESSAGES} (still bounded by max_bytes). The "
+    "page's offsets are in the X-*-Offset headers. Errors stay JSON. 406 when the node "
+    "lacks pyarrow."
+)
+_ARROW_HEADERS = {
+    "X-Next-Offset": "Arrow answers: the queue offset to ask for next (JSON: next_offset)",
+    "X-Min-Offset": "Arrow answers: the queue's first retained offset (JSON: min_offset)",
+    "X-Max-Offset": "Arrow answers: one past the queue's last offset (JSON: max_offset)",
+    "X-Confirm-Offset": "Arrow answers: this node's confirm offset (JSON: confirm_offset)",
+    "X-Message-Count": "Arrow answers: rows in the stream",
+}
+
 _Q_CONSISTENCY: dict[str, Any] = {
     "enum": ["committed", "linearizable"],
     "default": "committed",
@@ -370,6 +388,9 @@ class Op:
     path_schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
     extra: dict[int, str] = field(default_factory=dict)  # other non-error answers
     required: tuple[str, ...] = ()  # query parameters that must be given
+    # other media types of the success answer (chosen by Accept): type -> description
+    alt_content: dict[str, str] = field(default_factory=dict)
+    ok_headers: dict[str, str] = field(default_factory=dict)  # success headers (not required)
 
 
 OPERATIONS: dict[tuple[str, str], Op] = {
@@ -401,7 +422,12 @@ OPERATIONS: dict[tuple[str, str], Op] = {
         "Consume by queue offset (long-poll: empty list after wait_ms)", (200, "ConsumeResult"),
         {
             "offset": _int(0, U62),
-            "max_messages": {**_int(1, 1000), "default": 32},
+            "max_messages": {
+                **_int(1, ARROW_MAX_MESSAGES),
+                "default": 32,
+                "description": f"at most {JSON_MAX_MESSAGES} for a JSON answer (422 above), "
+                f"{ARROW_MAX_MESSAGES} for an Arrow one",
+            },
             "max_bytes": {**_int(1, 8 << 20), "default": 1 << 20},
             "wait_ms": {**_int(0, 30_000), "default": 0},
             "tag": _STR,
@@ -409,8 +435,10 @@ OPERATIONS: dict[tuple[str, str], Op] = {
             "consistency": _Q_CONSISTENCY,
             "timeout_ms": _Q_TIMEOUT,
         },
-        None, (404, 416, *_READ),
+        None, (404, 406, 416, *_READ),
         path_schemas={"queue": _int(0, MAX_QUEUES - 1)},
+        alt_content={ARROW_STREAM: _ARROW_TEXT},
+        ok_headers=_ARROW_HEADERS,
     ),
     ("POST", "/v1/producers"): Op(
         "Register (or re-register, fencing the old epoch) an idempotent producer",
@@ -517,6 +545,14 @@ def _operation(
             "description": "OK" if status == 200 else "Created",
             "content": {"application/json": {"schema": _ref(ok_schema)}},
         }
+        for media, text in op.alt_content.items():
+            responses[str(status)]["content"][media] = {
+                "schema": {"type": "string", "contentMediaType": media, "description": text}
+            }
+        if op.ok_headers:
+            responses[str(status)]["headers"] = {
+                h: {"schema": _int(0), "description": text} for h, text in op.ok_headers.items()
+            }
     else:
         responses[str(status)] = {
             "description": "OK",
@@ -581,6 +617,7 @@ _ERROR_TEXT = {
     409: "Conflict: exists, sequence gap, fenced producer, proposal dropped",
     408: "The body did not arrive within the node's body timeout",
     413: "Body (as sent or inflated), message or batch too large",
+    406: "Accept asks for a type this node cannot produce (Arrow without pyarrow)",
     415: "Unsupported Content-Encoding",
     416: "Offset out of range; the valid range is in the body",
     422: "A field is invalid; field names it",

@@ -20,6 +20,14 @@ offset (retention) or a topic that no longer exists are data loss:
 :class:`DataLossError` when ``fail_on_data_loss``, else a warning and the
 range continues after the gap.
 
+Pages come as Arrow IPC streams (``Accept: application/vnd.apache.arrow.stream``,
+:mod:`http_api.arrow`): a ``pyarrow.RecordBatch`` per page, values as bytes,
+no JSON or base64 on either side. A node without pyarrow answers ``406``
+and a node that predates the Arrow answer sends JSON whatever it is asked:
+the reader then reads JSON pages (lists of message objects) from that node,
+so a caller gets either kind and turns both into rows alike.
+``arrow=False`` asks for JSON throughout (``fetchFormat=json``).
+
 This module holds no state between calls and opens its connections itself,
 so Spark may run it on any executor.
 """
@@ -34,16 +42,29 @@ import urllib.parse
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
 
-from pipeline.options import DataLossError, PipelineError, SourceUnavailableError
+from pipeline.options import (
+    ARROW_MAX_MESSAGES,
+    JSON_MAX_MESSAGES,
+    DataLossError,
+    PipelineError,
+    SourceUnavailableError,
+)
 
 log = logging.getLogger("pipeline.source")
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 POLL_WAIT_MS = 500
+ARROW_STREAM = "application/vnd.apache.arrow.stream"
+MAX_PAGE_BYTES = 8 << 20  # the server's cap on a page's record bytes
+
+# A page of one queue: the server's Arrow batch, or the JSON page's messages.
+Page: TypeAlias = pa.RecordBatch | list[dict[str, Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,12 +126,12 @@ class NodeClient:
         self.close()
         self._k = (self._k + 1) % len(self.endpoints)
 
-    def _once(self, path: str) -> tuple[int, bytes]:
+    def _once(self, path: str, accept: str) -> tuple[int, str, bytes]:
         if self._conn is None:
             host, _, port = self.endpoint.rpartition(":")
             self._conn = http.client.HTTPConnection(host, int(port), timeout=self.timeout_s)
         try:
-            self._conn.request("GET", path, headers={"Accept": "application/json"})
+            self._conn.request("GET", path, headers={"Accept": accept})
             r = self._conn.getresponse()
             body = r.read()
         except (OSError, http.client.HTTPException):
@@ -118,19 +139,23 @@ class NodeClient:
             raise
         if r.getheader("connection", "").lower() == "close":
             self.close()
-        return r.status, body
+        ctype = r.getheader("content-type", "").split(";")[0].strip().lower()
+        return r.status, ctype, body
 
-    def get(self, path: str) -> tuple[int, Any]:
-        """``(status, parsed JSON body)`` of the first answer that is neither a
+    def get(self, path: str, accept: str = "application/json") -> tuple[int, Any]:
+        """``(status, body)`` of the first answer that is neither a
         connection failure nor a retryable status; raises
-        :class:`SourceUnavailableError` after ``retry_for_s``."""
+        :class:`SourceUnavailableError` after ``retry_for_s``. The body is
+        parsed JSON, or a ``pyarrow.RecordBatch`` for an Arrow stream."""
         deadline = time.monotonic() + self.retry_for_s
         tries = 0
         last = ""
         while True:
             try:
-                status, raw = self._once(path)
+                status, ctype, raw = self._once(path, accept)
                 if status not in RETRY_STATUSES:
+                    if ctype == ARROW_STREAM:
+                        return status, _one_batch(raw)
                     return status, orjson.loads(raw) if raw else None
                 last = f"{self.endpoint} answered {status}"
             except (OSError, http.client.HTTPException) as exc:
@@ -154,18 +179,43 @@ class NodeClient:
         return [QueueInfo(q["queue"], q["min_offset"], q["max_offset"]) for q in body["queues"]]
 
     def fetch(
-        self, topic: str, queue: int, offset: int, max_messages: int, wait_ms: int
+        self,
+        topic: str,
+        queue: int,
+        offset: int,
+        max_messages: int,
+        wait_ms: int,
+        arrow: bool = False,
     ) -> tuple[int, Any]:
+        """One page: ``(status, body)``; a 200's body is a
+        ``pyarrow.RecordBatch`` when the node answered Arrow (asked with
+        ``arrow``), else the JSON page."""
+        cap = ARROW_MAX_MESSAGES if arrow else JSON_MAX_MESSAGES
         q = urllib.parse.urlencode(
             {
                 "offset": offset,
-                "max_messages": max_messages,
-                "max_bytes": 8 << 20,
+                "max_messages": min(max_messages, cap),
+                "max_bytes": MAX_PAGE_BYTES,
                 "wait_ms": wait_ms,
                 "consistency": "committed",
             }
         )
-        return self.get(f"/v1/topics/{urllib.parse.quote(topic)}/queues/{queue}/messages?{q}")
+        path = f"/v1/topics/{urllib.parse.quote(topic)}/queues/{queue}/messages?{q}"
+        return self.get(path, ARROW_STREAM if arrow else "application/json")
+
+
+def _one_batch(raw: bytes) -> pa.RecordBatch:
+    """The record batches of an Arrow IPC stream, as one batch."""
+    reader = pa.ipc.open_stream(pa.py_buffer(raw))
+    batches = list(reader)
+    if len(batches) == 1:
+        return batches[0]
+    table = pa.Table.from_batches(batches, schema=reader.schema).combine_chunks()
+    if table.num_rows == 0:
+        return pa.RecordBatch.from_arrays(
+            [pa.array([], f.type) for f in reader.schema], schema=reader.schema
+        )
+    return table.to_batches()[0]
 
 
 def first_endpoint(topic: str, queue: int) -> int:
@@ -185,32 +235,49 @@ def read_range(
     *,
     fail_on_data_loss: bool,
     fetch_max_messages: int = 1000,
-) -> Iterator[list[dict[str, Any]]]:
-    """Pages of message JSON objects (the API's shape) covering exactly
-    ``[r.start, r.end)`` of one queue, less any gap skipped when
-    ``fail_on_data_loss`` is false. See the module doc for the errors."""
+    arrow: bool = False,
+) -> Iterator[Page]:
+    """Pages covering exactly ``[r.start, r.end)`` of one queue, less any
+    gap skipped when ``fail_on_data_loss`` is false: Arrow batches of the
+    server's columns when ``arrow`` and the node answers Arrow, else lists
+    of message JSON objects (the API's shape). See the module doc for the
+    errors."""
     cur = r.start
     wait_ms = 0
     stalled_since: float | None = None
     where = f"{r.topic}/{r.queue}"
     while cur < r.end:
         status, body = client.fetch(
-            r.topic, r.queue, cur, min(fetch_max_messages, r.end - cur), wait_ms
+            r.topic, r.queue, cur, min(fetch_max_messages, r.end - cur), wait_ms, arrow
         )
+        if status == 200 and isinstance(body, pa.RecordBatch):
+            if body.num_rows:
+                page = _arrow_page(body, cur, r.end, where, client.endpoint)
+                cur += page.num_rows
+                wait_ms, stalled_since = 0, None
+                yield page
+                continue
+            stalled_since = _stalled(client, stalled_since, where, cur, r.end)
+            wait_ms = POLL_WAIT_MS
+            continue
         err = _error_details(body)
+        if status == 406 and arrow and err.get("code") == "ARROW_UNAVAILABLE":
+            log.warning("%s: %s has no Arrow answer; reading JSON pages", where, client.endpoint)
+            arrow = False
+            continue
         if status == 200:
             msgs: list[dict[str, Any]] = body["messages"]
             if msgs:
-                page = [m for m in msgs if m["queue_offset"] < r.end]
-                for k, m in enumerate(page):
+                page_json = [m for m in msgs if m["queue_offset"] < r.end]
+                for k, m in enumerate(page_json):
                     if m["queue_offset"] != cur + k:
                         raise PipelineError(
                             f"{where}: asked for offset {cur + k} from {client.endpoint}, "
                             f"got {m['queue_offset']} (a broken server answer)"
                         )
-                cur += len(page)
+                cur += len(page_json)
                 wait_ms, stalled_since = 0, None
-                yield page
+                yield page_json
                 continue
             # the replica has not applied up to `end` yet: long-poll, then others
             stalled_since = _stalled(client, stalled_since, where, cur, r.end)
@@ -244,6 +311,24 @@ def read_range(
             time.sleep(0.1)
             continue
         raise PipelineError(f"{where} offset {cur} on {client.endpoint}: {status} {body}")
+
+
+def _arrow_page(
+    batch: pa.RecordBatch, cur: int, end: int, where: str, endpoint: str
+) -> pa.RecordBatch:
+    """``batch`` cut at ``end``; its offsets must run from ``cur`` on, one by one."""
+    page = batch.slice(0, min(batch.num_rows, end - cur))
+    offsets = page.column("queue_offset")
+    steps = pc.min_max(pc.pairwise_diff(offsets)).as_py()  # {min, max} of the steps
+    if offsets[0].as_py() == cur and (page.num_rows == 1 or steps == {"min": 1, "max": 1}):
+        return page
+    for k, off in enumerate(offsets.to_pylist()):
+        if off != cur + k:
+            raise PipelineError(
+                f"{where}: asked for offset {cur + k} from {endpoint}, "
+                f"got {off} (a broken server answer)"
+            )
+    raise PipelineError(f"{where}: a broken server answer from {endpoint}")
 
 
 def _stalled(

@@ -17,7 +17,11 @@ between the two by changing the format and the connection options:
                           error; ``false``: skip the gap with a warning
 ``minPartitions``         batch: split queue ranges until there are at least
                           this many input partitions
-``fetchMaxMessages``      messages per HTTP request (1..1000, default 1000)
+``fetchFormat``           ``arrow`` (default): pages as Arrow IPC streams;
+                          ``json``: the JSON pages (debugging, comparisons)
+``fetchMaxMessages``      messages per HTTP request (Arrow: 1..10000, default
+                          10000; JSON: 1..1000, default 1000); a page also
+                          stops at 8 MiB of records
 ``requestTimeoutMs``      one HTTP request (default 10000)
 ``retryForMs``            how long a read keeps trying other endpoints before it
                           fails (default 60000)
@@ -34,6 +38,9 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
+
+JSON_MAX_MESSAGES: Final = 1000  # the server's caps on a page (http_api)
+ARROW_MAX_MESSAGES: Final = 10_000
 
 EARLIEST: Final = -2
 LATEST: Final = -1
@@ -54,6 +61,7 @@ KNOWN: Final = frozenset(
         "failondataloss",
         "minpartitions",
         "fetchmaxmessages",
+        "fetchformat",
         "requesttimeoutms",
         "retryforms",
         "path",  # Spark adds it for load(path); we ignore it
@@ -88,6 +96,7 @@ class SourceOptions:
     fail_on_data_loss: bool
     min_partitions: int
     fetch_max_messages: int
+    fetch_arrow: bool
     request_timeout_s: float
     retry_for_s: float
 
@@ -128,6 +137,10 @@ class SourceOptions:
                 raise OptionError("startingOffsets 'latest' (-1) is not allowed in batch queries")
             if ending == "earliest" or _has(ending, EARLIEST):
                 raise OptionError("endingOffsets 'earliest' (-2) is not allowed in batch queries")
+        fmt = opts.get("fetchformat", "arrow").strip().lower()
+        if fmt not in ("arrow", "json"):
+            raise OptionError(f"option 'fetchFormat' must be 'arrow' or 'json', got {fmt!r}")
+        cap = ARROW_MAX_MESSAGES if fmt == "arrow" else JSON_MAX_MESSAGES
         mopt = opts.get("maxoffsetspertrigger")
         max_per_trigger = None if mopt is None else _int(mopt, "maxOffsetsPerTrigger", 1)
         return cls(
@@ -139,8 +152,9 @@ class SourceOptions:
             fail_on_data_loss=_bool(opts.get("failondataloss", "true"), "failOnDataLoss"),
             min_partitions=_int(opts.get("minpartitions", "1"), "minPartitions", 1),
             fetch_max_messages=min(
-                1000, _int(opts.get("fetchmaxmessages", "1000"), "fetchMaxMessages", 1)
+                cap, _int(opts.get("fetchmaxmessages", str(cap)), "fetchMaxMessages", 1)
             ),
+            fetch_arrow=fmt == "arrow",
             request_timeout_s=_int(opts.get("requesttimeoutms", "10000"), "requestTimeoutMs", 1)
             / 1000,
             retry_for_s=_int(opts.get("retryforms", "60000"), "retryForMs", 0) / 1000,

@@ -52,6 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql import SparkSession
 from pyspark.sql.datasource import (
     DataSource,
@@ -330,6 +331,40 @@ def _to_arrow(topic: str, queue: int, page: list[dict[str, Any]]) -> pa.RecordBa
     return pa.RecordBatch.from_arrays(cols, schema=ARROW_SCHEMA)
 
 
+_NO_KEY = pa.scalar(None, pa.string())
+
+
+def _from_server(topic: str, queue: int, page: pa.RecordBatch) -> pa.RecordBatch:
+    """A page the node sent as Arrow (:mod:`http_api.arrow`'s columns) in
+    :data:`ARROW_SCHEMA`, column by column: the rows :func:`_to_arrow` makes
+    of the same page sent as JSON."""
+    n = page.num_rows
+    keys = page.column("keys")
+    if len(keys.flatten()) == 0:
+        key = pa.nulls(n, pa.string())
+    else:
+        key = pc.if_else(
+            pc.equal(pc.list_value_length(keys), 0), _NO_KEY, pc.binary_join(keys, " ")
+        )
+    ts = ARROW_SCHEMA.field("born_timestamp").type
+    props = page.column("properties")
+    props_type = ARROW_SCHEMA.field("properties").type
+    cols = [
+        page.column("topic"),
+        page.column("queue"),
+        page.column("queue_offset"),
+        page.column("commit_offset"),
+        page.column("msg_id"),
+        key,
+        page.column("tags"),
+        props if props.type == props_type else props.cast(props_type),
+        page.column("value"),
+        page.column("born_ts_ms").cast(ts),
+        page.column("store_ts_ms").cast(ts),
+    ]
+    return pa.RecordBatch.from_arrays(cols, schema=ARROW_SCHEMA)
+
+
 def read_partition(opts: SourceOptions, p: RangePartition) -> Iterator[pa.RecordBatch]:
     """Executor side: exactly the messages of ``p`` as Arrow batches."""
     r = QueueRange(p.topic, p.queue, p.start, p.end)
@@ -344,8 +379,12 @@ def read_partition(opts: SourceOptions, p: RangePartition) -> Iterator[pa.Record
             r,
             fail_on_data_loss=opts.fail_on_data_loss,
             fetch_max_messages=opts.fetch_max_messages,
+            arrow=opts.fetch_arrow,
         ):
-            yield _to_arrow(r.topic, r.queue, page)
+            if isinstance(page, pa.RecordBatch):
+                yield _from_server(r.topic, r.queue, page)
+            else:
+                yield _to_arrow(r.topic, r.queue, page)
 
 
 # ----------------------------------------------------------------------------- Spark API

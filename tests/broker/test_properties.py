@@ -30,7 +30,8 @@ from broker_adapter import (
     encode_retention,
     encode_topic,
 )
-from broker_adapter.bodies import BodyMissing, LmdbBodies
+from broker_adapter.bodies import BodyMissing, LmdbBodies, MemoryBodies
+from broker_adapter.errors import OffsetOutOfRange
 from dledger.core.types import Entry
 from dledger.errors import StorageCorrupted
 from tests.broker.helpers import Log, all_messages, replay
@@ -313,3 +314,87 @@ def test_a_damaged_record_is_reported_not_served(tmp_path: Path) -> None:
     with pytest.raises(StorageCorrupted, match="t/0@0"):
         s.read("t", 0, 0, max_messages=10)
     assert s.read("t", 0, 1, max_messages=10).messages[0].body == b"world"
+
+
+@pytest.mark.parametrize("store", ["memory", "lmdb-buffered", "lmdb-committed"])
+def test_read_columns_is_read_column_by_column(tmp_path: Path, store: str) -> None:
+    """The consume route's Arrow page (read_columns) holds what read() gives
+    for every offset, page cap, byte cap and tag filter; in LMDB with some
+    records still buffered, or all committed (the cursor-scan path)."""
+    bodies: MemoryBodies | LmdbBodies = MemoryBodies()
+    if store != "memory":
+        bodies = LmdbBodies(str(tmp_path / "b"), batch=7 if store == "lmdb-buffered" else 1 << 20)
+    log = Log()
+    s = BrokerState("test", bodies)
+    s.apply(log.add(encode_topic(CommandKind.CREATE_TOPIC, "t", 1, 2)))
+    for rnd in range(3):
+        msgs = [
+            Message(
+                b"v%d" % i * (i % 7),
+                tag="a" if i % 3 == 0 else "",
+                keys=(f"k{i}", "z") if i % 4 == 0 else (),
+                properties=(("p", str(i)),) if i % 5 == 0 else (),
+                # round 1 puts runs of ten in a queue: adjacent records
+                queue=(i // 10) % 2 if rnd == 1 else i % 2,
+            )
+            for i in range(50)
+        ]
+        s.apply(log.add(encode_produce("t", msgs, 2 + rnd)))
+    if isinstance(bodies, LmdbBodies) and store == "lmdb-committed":
+        bodies.commit()
+    for q in (0, 1):
+        hi = s.queue_range("t", q)[1]
+        for off in [*range(0, hi + 1, 3), hi]:
+            for mm, mb in ((1000, 1 << 20), (5, 1 << 20), (100, 30), (3, 1)):
+                for tag in (None, "a", "a||b"):
+                    r = s.read("t", q, off, mm, mb, tag)
+                    c = s.read_columns("t", q, off, mm, mb, tag)
+                    ms = r.messages
+                    assert list(c.queue_offsets) == [m.queue_offset for m in ms]
+                    assert list(c.phys_offsets) == [m.phys_offset for m in ms]
+                    assert list(c.sizes) == [m.size for m in ms]
+                    assert list(c.store_ts_ms) == [m.store_ts_ms for m in ms]
+                    assert c.msg_ids() == [m.msg_id for m in ms]
+                    rc = c.records
+                    assert rc.bodies == [m.body for m in ms]
+                    assert rc.born_ts_ms == [m.born_ts_ms for m in ms]
+                    assert rc.tags == [m.tag or None for m in ms]
+                    ko, po = rc.key_offsets, rc.prop_offsets
+                    assert [tuple(rc.keys[ko[i] : ko[i + 1]]) for i in range(len(ms))] == [
+                        m.keys for m in ms
+                    ]
+                    assert [
+                        tuple(
+                            zip(
+                                rc.prop_keys[po[i] : po[i + 1]],
+                                rc.prop_values[po[i] : po[i + 1]],
+                                strict=True,
+                            )
+                        )
+                        for i in range(len(ms))
+                    ] == [m.properties for m in ms]
+                    assert (c.next_offset, c.min_offset, c.max_offset) == (
+                        r.next_offset,
+                        r.min_offset,
+                        r.max_offset,
+                    )
+    with pytest.raises(OffsetOutOfRange):
+        s.read_columns("t", 0, s.queue_range("t", 0)[1] + 1)
+
+
+def test_a_damaged_record_is_reported_not_served_by_read_columns(tmp_path: Path) -> None:
+    log = Log()
+    s = BrokerState("test", LmdbBodies(str(tmp_path / "bodies"), batch=1))
+    s.apply(log.add(encode_topic(CommandKind.CREATE_TOPIC, "t", 1, 1)))
+    res = s.apply(log.add(encode_produce("t", [Message(b"hello"), Message(b"world")], 2)))
+    assert isinstance(res, ProduceResult)
+    first, second = res.acks
+    rec = bytearray(s.bodies.get(first.phys_offset))
+    rec[-1] ^= 0x01  # one bit of the body
+    s.bodies.put(first.phys_offset, bytes(rec))
+    with pytest.raises(StorageCorrupted, match="t/0@0"):
+        s.read_columns("t", 0, 0, max_messages=10)
+    assert s.read_columns("t", 0, 1, max_messages=10).records.bodies == [b"world"]
+    s.bodies.delete(second.phys_offset)  # a record the index names is gone
+    with pytest.raises(StorageCorrupted, match="t/0"):
+        s.read_columns("t", 0, 1, max_messages=10)

@@ -297,7 +297,11 @@ async def test_openapi_matches_the_router_both_ways_and_is_valid_3_1(
         assert name in schemas, name
     consume = doc["paths"]["/v1/topics/{topic}/queues/{queue}/messages"]["get"]
     bounds = {p["name"]: p["schema"] for p in consume["parameters"]}
-    assert bounds["max_messages"]["minimum"] == 1 and bounds["max_messages"]["maximum"] == 1000
+    # 10000 for an Arrow answer; a JSON one refuses more than 1000 (test_arrow.py)
+    assert bounds["max_messages"]["minimum"] == 1 and bounds["max_messages"]["maximum"] == 10_000
+    ok = consume["responses"]["200"]
+    assert set(ok["content"]) == {"application/json", "application/vnd.apache.arrow.stream"}
+    assert "X-Next-Offset" in ok["headers"] and "406" in consume["responses"]
     assert bounds["wait_ms"]["maximum"] == 30_000 and bounds["queue"]["type"] == "integer"
 
 

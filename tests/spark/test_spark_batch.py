@@ -147,3 +147,28 @@ def test_fail_on_data_loss(spark: SparkSession, own_cluster: Callable[[], ApiClu
     assert sorted(r.queue_offset for r in rows) == list(range(lo, 100))
     # earliest means the queue's min offset: no loss, no error
     assert _reader(spark, c, "trim").count() == 100 - lo
+
+
+def test_arrow_and_json_pages_give_identical_dataframes(
+    spark: SparkSession, cluster: ApiCluster
+) -> None:
+    """fetchFormat=json (the JSON pages, decoded in the source) and the
+    default Arrow pages give the same rows, column for column."""
+    cl = client(cluster)
+    cl.create_topic("formats", 3)
+    produce(cl, "formats", 2500, batch=500)
+    cols = "topic, queue, queue_offset, commit_offset, msg_id, key, tags, properties, value, "
+    cols += "born_timestamp, store_timestamp"
+    order = ["queue", "queue_offset"]
+    by_arrow = _reader(spark, cluster, "formats", minPartitions="5").orderBy(order).collect()
+    by_json = _reader(spark, cluster, "formats", fetchFormat="json").orderBy(order).collect()
+    assert len(by_arrow) == 2500
+    assert by_arrow == by_json
+    assert list(by_arrow[0].asDict()) == [c.strip() for c in cols.split(",")]
+    assert any(r.key for r in by_arrow) and any(r.tags for r in by_arrow)
+    assert any(r.properties for r in by_arrow)
+    # small pages: more requests, the same rows
+    small = _reader(spark, cluster, "formats", fetchMaxMessages="7").orderBy(order).collect()
+    assert small == by_arrow
+    with pytest.raises(PySparkException, match="fetchFormat"):
+        _reader(spark, cluster, "formats", fetchFormat="xml").count()

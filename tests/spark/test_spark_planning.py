@@ -96,3 +96,64 @@ def test_option_parsing() -> None:
     ]:
         with pytest.raises(OptionError):
             SourceOptions.parse(bad, streaming=streaming)
+
+
+class _Pages:
+    """A NodeClient stand-in: fetch answers from a list (status, body)."""
+
+    endpoint = "n1:1"
+    endpoints = ("n1:1",)
+    retry_for_s = 1.0
+
+    def __init__(self, answers: list[tuple[int, object]]) -> None:
+        self.answers = answers
+        self.asked: list[tuple[int, bool]] = []
+
+    def fetch(
+        self, topic: str, queue: int, offset: int, n: int, wait_ms: int, arrow: bool = False
+    ) -> tuple[int, object]:
+        self.asked.append((offset, arrow))
+        return self.answers.pop(0)
+
+    def rotate(self) -> None:
+        pass
+
+
+def _json_msg(off: int) -> dict[str, object]:
+    return {"queue_offset": off, "value": "", "encoding": "base64"}
+
+
+def test_read_range_falls_back_to_json_and_checks_arrow_offsets() -> None:
+    import pyarrow as pa
+
+    from pipeline.fetch import QueueRange, read_range
+    from pipeline.options import PipelineError
+
+    r = QueueRange("t", 0, 0, 3)
+    batch = pa.RecordBatch.from_pydict({"queue_offset": pa.array([0, 1], pa.int64())})
+    no_arrow = {"error": {"code": "ARROW_UNAVAILABLE", "message": "no pyarrow"}}
+    # an Arrow page, then a node without pyarrow (406): JSON from then on
+    c = _Pages([(200, batch), (406, no_arrow), (200, {"messages": [_json_msg(2)]})])
+    pages = list(read_range(c, r, fail_on_data_loss=True, arrow=True))  # type: ignore[arg-type]
+    assert isinstance(pages[0], pa.RecordBatch) and pages[0].num_rows == 2
+    assert pages[1] == [_json_msg(2)]
+    assert c.asked == [(0, True), (2, True), (2, False)]
+    # a node that answers JSON to an Arrow request (an older server) is read as JSON
+    c = _Pages([(200, {"messages": [_json_msg(k) for k in range(4)]})])
+    pages = list(read_range(c, r, fail_on_data_loss=True, arrow=True))  # type: ignore[arg-type]
+    assert pages == [[_json_msg(k) for k in range(3)]]  # cut at the range's end
+    # an Arrow page whose offsets skip one is a broken answer
+    bad = pa.RecordBatch.from_pydict({"queue_offset": pa.array([0, 2], pa.int64())})
+    c = _Pages([(200, bad)])
+    with pytest.raises(PipelineError, match=r"asked for offset 1 .* got 2"):
+        list(read_range(c, r, fail_on_data_loss=True, arrow=True))  # type: ignore[arg-type]
+    with pytest.raises(OptionError, match="fetchFormat"):
+        SourceOptions.parse(
+            {"endpoints": "h:1", "topic": "t", "fetchFormat": "xml"}, streaming=False
+        )
+    o = SourceOptions.parse(
+        {"endpoints": "h:1", "topic": "t", "fetchFormat": "JSON"}, streaming=False
+    )
+    assert not o.fetch_arrow and o.fetch_max_messages == 1000
+    o = SourceOptions.parse({"endpoints": "h:1", "topic": "t"}, streaming=False)
+    assert o.fetch_arrow and o.fetch_max_messages == 10_000

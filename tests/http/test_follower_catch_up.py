@@ -131,9 +131,7 @@ def test_a_follower_back_from_a_long_absence_is_caught_up_without_a_leader_chang
     c, leader, term, election_s = _setup(api_cluster)
     behind = next(n for n in c.ids() if n != leader)
     c.stop(behind)
-    body = json.dumps(
-        {"messages": [{"value": "b" * 100, "encoding": "utf-8"}] * 500}
-    ).encode()
+    body = json.dumps({"messages": [{"value": "b" * 100, "encoding": "utf-8"}] * 500}).encode()
     sent = 0
     last = time.monotonic()
     while sent < BACKLOG_MSGS:

@@ -6,7 +6,15 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ABOVE = ("broker_adapter", "http_api", "controller", "dledger_app", "jepsen_like", "pipeline", "benchmarks")
+ABOVE = (
+    "broker_adapter",
+    "http_api",
+    "controller",
+    "dledger_app",
+    "jepsen_like",
+    "pipeline",
+    "benchmarks",
+)
 
 
 def test_dledger_imports_nothing_above_it() -> None:
@@ -19,5 +27,7 @@ def test_dledger_imports_nothing_above_it() -> None:
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 names = [node.module]
-            bad += [f"{path.relative_to(root.parent)}: {n}" for n in names if n.split(".")[0] in ABOVE]
+            bad += [
+                f"{path.relative_to(root.parent)}: {n}" for n in names if n.split(".")[0] in ABOVE
+            ]
     assert bad == []

@@ -32,6 +32,7 @@ from typing import Any
 
 # Importing the modules registers their benchmarks, in this order.
 from benchmarks import (  # noqa: F401
+    bench_cmode,
     bench_core,
     bench_cost,
     bench_failover,

@@ -595,17 +595,24 @@ async def rebuild_replica(
         info["rebuilt"] = False
         log(f"node {node}: could not make a rebuild safe in 60 s; leaving it down")
         return
+    await _wipe_and_catch_up(c, node, floor or 0, info, log)
+
+
+async def _wipe_and_catch_up(
+    c: Cluster, node: int, floor: int, info: dict[str, Any], log: Callable[[str], None]
+) -> None:
+    """Wipe ``node``, start it empty, and wait until it applied ``floor``.
+    The heal ends when the rebuilt replica holds everything committed
+    before the damage: its catch-up (the leader reads and sends it the
+    whole log) is part of this fault, not of the quiet time after it."""
     c.wipe(node)
     c.start(node)
     info["rebuilt"] = True
-    # The heal ends when the rebuilt replica holds everything committed
-    # before the damage: its catch-up (the leader reads and sends it the
-    # whole log) is part of this fault, not of the quiet time after it.
     t0 = time.monotonic()
     caught_up = False
     while time.monotonic() - t0 < 30 and c.alive(node):
         s = await c.status(node)
-        if s is not None and int(s.get("applied", 0)) >= (floor or 0):
+        if s is not None and int(s.get("applied", 0)) >= floor:
             caught_up = True
             break
         await asyncio.sleep(0.2)
@@ -652,21 +659,7 @@ async def rebuild_cmode_replica(
         info["rebuilt"] = False
         log(f"node {node}: no master without it in its SyncStateSet in 60 s; leaving it down")
         return
-    c.wipe(node)
-    c.start(node)
-    info["rebuilt"] = True
-    t0 = time.monotonic()
-    caught_up = False
-    while time.monotonic() - t0 < 30 and c.alive(node):
-        s = await c.status(node)
-        if s is not None and int(s.get("applied", 0)) >= floor:
-            caught_up = True
-            break
-        await asyncio.sleep(0.2)
-    info["caught_up"] = caught_up
-    info["catch_up_s"] = round(time.monotonic() - t0, 2)
-    if not caught_up:
-        log(f"node {node}: rebuilt, but not caught up after {info['catch_up_s']} s")
+    await _wipe_and_catch_up(c, node, floor, info, log)
 
 
 def _brief(info: dict[str, Any]) -> str:

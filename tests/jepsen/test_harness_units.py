@@ -168,6 +168,7 @@ class _RebuildCluster:
     voters = ids = [1, 2, 3]
 
     def __init__(self) -> None:
+        self.node_settings: dict[str, Any] = {}  # a Raft group
         self.term, self.leader = 5, 1
         self.events: list[tuple[Any, ...]] = []
         self.polls_after_start = 0
@@ -211,3 +212,35 @@ async def test_a_rebuilt_replica_joins_a_leader_elected_while_it_was_down() -> N
     assert [e[0] for e in c.events] == ["transfer", "wipe", "start"]
     assert info["rebuilt"] and info["caught_up"]  # and the heal waited for its catch-up
     assert c.polls_after_start >= 3
+
+
+class _CmodeRebuildCluster(_RebuildCluster):
+    """A controller-mode group: node 2 (damaged, down) is still in master 1's
+    SyncStateSet for the first polls, until the master shrinks the set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.node_settings = {"replication": "controller"}
+        self.polls = 0
+
+    async def statuses(self) -> dict[int, dict[str, Any]]:
+        self.polls += 1
+        sss = [1, 2, 3] if self.polls < 4 else [1, 3]
+        return {
+            1: {"cmode_role": "master", "sync_state_set": sss, "confirm": 100},
+            3: {"cmode_role": "slave", "sync_state_set": [], "confirm": 100},
+        }
+
+
+async def test_a_controller_mode_replica_is_wiped_only_once_out_of_the_sync_state_set() -> None:
+    c = _CmodeRebuildCluster()
+    n = Nemesis(c, Writer(io.StringIO()), random.Random(7), [], log=lambda _: None,  # type: ignore[arg-type]
+                libfaketime=None)  # fmt: skip
+    info: dict[str, Any] = {}
+    await n.rebuild(2, 4, info)
+    # no leadership transfers (no votes to outlive); the wipe came after the
+    # poll at which the master's set stopped naming node 2
+    assert [e[0] for e in c.events] == ["wipe", "start"]
+    assert c.polls == 4
+    assert info["rebuild_sync_state_set"] == [1, 3] and info["rebuild_master"] == 1
+    assert info["rebuilt"] and info["caught_up"] and info["rebuild_commit_floor"] == 100

@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from benchmarks import peer_procs
 from benchmarks.stats import median_min_max
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -62,16 +63,11 @@ _LIVE: dict[int, subprocess.Popen[bytes]] = {}
 
 
 def _stop_process(proc: subprocess.Popen[bytes], grace_s: float = 3.0) -> None:
-    """Stop one node by PID: SIGTERM, wait, then SIGKILL."""
+    """Stop one node by PID (:func:`benchmarks.peer_procs.stop`: SIGTERM,
+    wait, then SIGKILL) and forget it."""
     try:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=grace_s)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
+        peer_procs.stop(proc, grace_s)
+    except subprocess.TimeoutExpired:
         pass
     finally:
         _LIVE.pop(proc.pid, None)

@@ -761,6 +761,18 @@ class BrokerState:
         q = self._queue(topic, queue)
         return q.min_offset, q.max_offset
 
+    def _read_range(self, topic: str, queue: int, offset: int) -> tuple[_Queue, int, int]:
+        """The queue a read starts in, and its [min, max] offsets; raises
+        OffsetOutOfRange below the min or past the max (``max`` itself is an
+        empty page)."""
+        cq = self._queue(topic, queue)
+        lo, hi = cq.min_offset, cq.max_offset
+        if not lo <= offset <= hi:
+            raise OffsetOutOfRange(
+                f"offset {offset} is outside {topic}/{queue}'s range [{lo}, {hi}]", lo, hi
+            )
+        return cq, lo, hi
+
     def read(
         self,
         topic: str,
@@ -775,12 +787,7 @@ class BrokerState:
         first one is always returned. ``tag``: "a||b" keeps messages tagged a
         or b ("*" or None: all). Raises OffsetOutOfRange below the min or
         past the max offset (``offset == max`` is an empty answer)."""
-        cq = self._queue(topic, queue)
-        lo, hi = cq.min_offset, cq.max_offset
-        if not lo <= offset <= hi:
-            raise OffsetOutOfRange(
-                f"offset {offset} is outside {topic}/{queue}'s range [{lo}, {hi}]", lo, hi
-            )
+        cq, lo, hi = self._read_range(topic, queue, offset)
         wanted: dict[int, set[str]] | None = None
         if tag and tag != "*":
             wanted = {}
@@ -841,12 +848,7 @@ class BrokerState:
                 res.min_offset,
                 res.max_offset,
             )
-        cq = self._queue(topic, queue)
-        lo, hi = cq.min_offset, cq.max_offset
-        if not lo <= offset <= hi:
-            raise OffsetOutOfRange(
-                f"offset {offset} is outside {topic}/{queue}'s range [{lo}, {hi}]", lo, hi
-            )
+        cq, lo, hi = self._read_range(topic, queue, offset)
         n = max(0, min(max_messages, hi - offset))
         with self.bodies.reading():
             try:

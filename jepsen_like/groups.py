@@ -435,7 +435,7 @@ class GroupsRunner(Runner):
                 self.replicas_result = _merge_replicas(per)
                 self.log(f"replicas: {self.replicas_result['divergent_offsets']} divergent offsets")
                 if cfg.replication == "controller":
-                    self.truncated = await self._truncated()
+                    self.truncated = self._truncated()
                     self.log(
                         f"entries truncated by replicas joining a new master: {self.truncated}"
                     )
@@ -447,7 +447,7 @@ class GroupsRunner(Runner):
                 await c.close()
 
     # -- checking ----------------------------------------------------------------------
-    async def _truncated(self) -> dict[str, int]:
+    def _truncated(self) -> dict[str, int]:
         """Controller mode: entries each replica cut from its log when it
         joined a master (a forked or unconfirmed tail), over the whole run:
         counted from the nodes' logs, which outlive restarts and rebuilds

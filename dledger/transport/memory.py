@@ -130,6 +130,11 @@ class MemoryTransport:
         self._stopped = True
         self._net._detach(self)
 
+    def peer_status(self, peer_id: int) -> None:
+        """No connection state to report (the node's status leaves it out):
+        in-process delivery has no sockets to be up or down."""
+        return None
+
     def update_peers(self, peers: Iterable[int]) -> None:
         """Accepts the same mapping as TcpTransport (only the ids matter)."""
         self._peers = self._normalize(peers)

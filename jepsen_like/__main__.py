@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         "--client-timeout",
         type=float,
         nargs=2,
-        default=(0.05, 0.4),
+        default=RunConfig.client_timeout_s,  # one source: the run configuration
         metavar=("MIN_S", "MAX_S"),
         help="per-op client deadline drawn from this range (ops cut off end info)",
     )

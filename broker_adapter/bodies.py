@@ -496,3 +496,191 @@ class LmdbBodies:
         if self._env_ is not None:
             self._env_.close()
             self._env_ = self._dbs = None
+
+
+class SideStorage(Protocol):
+    """What :class:`DurableBodies` needs of the node's log storage
+    (:class:`dledger.storage.lmdb_store.LmdbStorage`): side databases written
+    in the log's own transactions."""
+
+    side_synced: int
+
+    @property
+    def env(self) -> lmdb.Environment: ...
+
+    def side_db(self, name: bytes) -> lmdb._Database: ...
+
+    def stage(self, changes: dict[bytes, dict[bytes, bytes | None]]) -> int: ...
+
+    def side_clear(self, *names: bytes) -> None: ...
+
+    def side_put_now(self, name: bytes, items: list[tuple[bytes, bytes]]) -> None: ...
+
+
+_CKPT_DB = b"broker"
+_CKPT_KEY = b"checkpoint"
+
+
+class _OverlayFrozen(_LmdbFrozen):
+    """A frozen LMDB view with the changes not yet written on top."""
+
+    def __init__(
+        self,
+        txn: lmdb.Transaction,
+        recs: lmdb._Database,
+        idx: lmdb._Database,
+        over: dict[bytes, bytes | None],
+        over_idx: dict[bytes, bytes | None],
+    ) -> None:
+        super().__init__(txn, recs, idx)
+        self._over, self._over_idx = over, over_idx
+
+    def records(self, phys: Sequence[int]) -> list[bytes]:
+        out: list[bytes] = []
+        for p in phys:
+            key = _KEY.pack(p)
+            rec = self._over[key] if key in self._over else self._txn.get(key, db=self._recs)
+            if rec is None:
+                raise BodyMissing(f"no stored record at physical offset {p}")
+            out.append(bytes(rec))
+        return out
+
+    def columns(self, qid: int, lo: int, hi: int) -> tuple[array[int], ...]:
+        cols = (array("q"), array("q"), array("q"), array("q"))
+        get = self._txn.get
+        for off in range(lo, hi):
+            key = _IKEY.pack(qid, off)
+            value = self._over_idx[key] if key in self._over_idx else get(key, db=self._idx)
+            if value is None:
+                raise BodyMissing(f"index of queue {qid} lacks offset {off} (wanted {lo}..{hi})")
+            for c, v in zip(cols, _IVAL.unpack(value), strict=True):
+                c.append(v)
+        return cols
+
+
+class DurableBodies(LmdbBodies):
+    """Records and ConsumeQueue entries in side databases of the node's own
+    log environment (:class:`SideStorage`), written in the log's group
+    commits together with a checkpoint of the rest of the broker state, so a
+    restart reads the state back instead of rebuilding it.
+
+    Changes stay in memory (read through, as :class:`LmdbBodies` does) until
+    :meth:`stage_checkpoint` hands a copy of them and the checkpoint blob to
+    the storage; once the storage reports that batch durable,
+    :meth:`prune` forgets the overlay entries it wrote (those not changed
+    again since). What is on disk is therefore always a whole checkpoint:
+    the store as of the blob's applied index, never a mix.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("", batch=1 << 62)
+        self._storage: SideStorage | None = None
+        self._staged: list[tuple[int, dict[bytes, bytes | None], dict[bytes, bytes | None]]] = []
+
+    def attach(self, storage: SideStorage) -> None:
+        """Bind to the node's open storage (before any other call)."""
+        self._storage = storage
+        self._dbs = (storage.side_db(_DB), storage.side_db(_IDX_DB))
+        storage.side_db(_CKPT_DB)
+        self._env_ = storage.env
+
+    def _open(self) -> tuple[lmdb.Environment, lmdb._Database, lmdb._Database]:
+        if self._env_ is None or self._dbs is None:
+            raise RuntimeError("DurableBodies used before attach(storage)")
+        return self._env_, self._dbs[0], self._dbs[1]
+
+    def _changed(self) -> None:
+        pass  # written only by stage_checkpoint, in the log's transactions
+
+    def commit(self) -> None:
+        pass
+
+    # -- checkpoints ------------------------------------------------------------
+    def stage_checkpoint(self, blob: bytes) -> int:
+        """Hand the changes so far and ``blob`` (the rest of the state as of
+        the same moment) to the storage's next group commit."""
+        st = self._storage
+        assert st is not None
+        self.prune()
+        recs, idx = dict(self._pending), dict(self._pending_idx)
+        seq = st.stage({_DB: dict(recs), _IDX_DB: dict(idx), _CKPT_DB: {_CKPT_KEY: blob}})
+        self._staged.append((seq, recs, idx))
+        return seq
+
+    def durable(self, seq: int) -> bool:
+        st = self._storage
+        return st is not None and st.side_synced >= seq
+
+    def prune(self) -> None:
+        """Forget overlay entries that a durable checkpoint wrote."""
+        st = self._storage
+        if st is None:
+            return
+        done = st.side_synced
+        while self._staged and self._staged[0][0] <= done:
+            _, recs, idx = self._staged.pop(0)
+            for pending, staged in ((self._pending, recs), (self._pending_idx, idx)):
+                for key, value in staged.items():
+                    if key in pending and pending[key] is value:
+                        del pending[key]
+
+    def load_checkpoint(self) -> bytes | None:
+        """The last durable checkpoint blob, or None."""
+        env, _, _ = self._open()
+        st = self._storage
+        assert st is not None
+        with env.begin() as txn:
+            value = txn.get(_CKPT_KEY, db=st.side_db(_CKPT_DB))
+        return None if value is None else bytes(value)
+
+    def discard(self) -> None:
+        """Drop everything stored (the checkpoint first, in the same
+        transaction): the state will be rebuilt."""
+        st = self._storage
+        assert st is not None
+        self._pending.clear()
+        self._pending_idx.clear()
+        self._staged.clear()
+        st.side_clear(_CKPT_DB, _DB, _IDX_DB)
+
+    def replace_all(
+        self,
+        records: Iterable[tuple[int, bytes]],
+        index: Iterable[tuple[int, int, tuple[array[int], ...]]],
+    ) -> None:
+        """A restore: the old checkpoint goes with everything else (so a
+        crash before the next checkpoint rebuilds rather than mixes), then
+        the records and entries are written in bulk transactions."""
+        st = self._storage
+        assert st is not None
+        self.discard()
+        batch: list[tuple[bytes, bytes]] = []
+        for phys, rec in records:
+            batch.append((_KEY.pack(phys), rec))
+            if len(batch) >= 65536:
+                st.side_put_now(_DB, batch)
+                batch = []
+        st.side_put_now(_DB, batch)
+        batch = []
+        for qid, lo, cols in index:
+            for k, e in enumerate(zip(*cols, strict=True)):
+                batch.append((_IKEY.pack(qid, lo + k), _IVAL.pack(*e)))
+                if len(batch) >= 65536:
+                    st.side_put_now(_IDX_DB, batch)
+                    batch = []
+        st.side_put_now(_IDX_DB, batch)
+
+    def freeze(self) -> Frozen:
+        env, recs, idx = self._open()
+        return _OverlayFrozen(
+            env.begin(), recs, idx, dict(self._pending), dict(self._pending_idx)
+        )
+
+    def close(self) -> None:
+        self._pending.clear()
+        self._pending_idx.clear()
+        self._staged.clear()
+        if self._rtxn is not None:
+            self._rtxn.abort()
+            self._rtxn = None
+        self._env_ = self._dbs = None  # the storage's: not closed here

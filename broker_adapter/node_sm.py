@@ -17,7 +17,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
-from broker_adapter.bodies import Bodies
+from broker_adapter.bodies import Bodies, DurableBodies, SideStorage
 from broker_adapter.codec import is_command
 from broker_adapter.errors import MalformedCommand
 from broker_adapter.state import BrokerState
@@ -25,6 +25,9 @@ from dledger.core.types import Entry
 from dledger.statemachine import LogStateMachine, SnapshotError
 
 _LEN = struct.Struct(">Q")
+_CKPT = struct.Struct(">4sBQ")  # magic, version, length of the replica records part
+_CKPT_MAGIC = b"NSMC"
+_CKPT_VERSION = 1
 
 
 class BrokerStateMachine(LogStateMachine):
@@ -87,3 +90,73 @@ class BrokerStateMachine(LogStateMachine):
         self.broker = broker
         for fn in tuple(self._listeners):
             fn()
+
+    # -- a durable state (bodies = DurableBodies) --------------------------------
+    @property
+    def durable(self) -> bool:
+        """Whether the state lives in the node's storage (see
+        :class:`~broker_adapter.bodies.DurableBodies`)."""
+        return isinstance(self.broker.bodies, DurableBodies)
+
+    def attach_storage(self, storage: SideStorage) -> None:
+        bodies = self.broker.bodies
+        if isinstance(bodies, DurableBodies):
+            bodies.attach(storage)
+
+    def checkpoint(self) -> int:
+        """Stage the whole state as of the last applied entry into the
+        storage's next group commit; returns the number the storage reports
+        durable (``checkpoint_durable``)."""
+        bodies = self.broker.bodies
+        assert isinstance(bodies, DurableBodies)
+        records = LogStateMachine.snapshot_builder(self)()
+        blob = b"".join(
+            [
+                _CKPT.pack(_CKPT_MAGIC, _CKPT_VERSION, len(records)),
+                records,
+                self.broker.checkpoint_blob(),
+            ]
+        )
+        return bodies.stage_checkpoint(blob)
+
+    def checkpoint_durable(self, seq: int) -> bool:
+        bodies = self.broker.bodies
+        assert isinstance(bodies, DurableBodies)
+        bodies.prune()
+        return bodies.durable(seq)
+
+    def load_checkpoint(self) -> int | None:
+        """Take the state back from the storage's last durable checkpoint:
+        its applied index, or None when there is none. Raises SnapshotError
+        when there is one but it is damaged (the caller discards it)."""
+        bodies = self.broker.bodies
+        assert isinstance(bodies, DurableBodies)
+        blob = bodies.load_checkpoint()
+        if blob is None:
+            return None
+        if len(blob) < _CKPT.size:
+            raise SnapshotError("the broker checkpoint is truncated")
+        magic, version, n = _CKPT.unpack_from(blob, 0)
+        if magic != _CKPT_MAGIC or version != _CKPT_VERSION:
+            raise SnapshotError(f"not a broker checkpoint of version {_CKPT_VERSION}")
+        if _CKPT.size + n > len(blob):
+            raise SnapshotError("the broker checkpoint is truncated")
+        try:
+            broker = BrokerState.from_checkpoint(blob[_CKPT.size + n :], bodies)
+        except MalformedCommand as exc:
+            raise SnapshotError(f"broker checkpoint: {exc}") from None
+        LogStateMachine.restore(self, blob[_CKPT.size : _CKPT.size + n])
+        if self.last_applied != broker.applied_index:
+            raise SnapshotError(
+                f"the checkpoint's parts disagree: records at {self.last_applied}, "
+                f"broker at {broker.applied_index}"
+            )
+        self.broker = broker
+        return broker.applied_index
+
+    def discard_checkpoint(self) -> None:
+        """Forget the stored state (it will be rebuilt from a snapshot and
+        the log): the checkpoint, the records and the index."""
+        bodies = self.broker.bodies
+        assert isinstance(bodies, DurableBodies)
+        bodies.discard()

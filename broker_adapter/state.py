@@ -84,7 +84,27 @@ SWEEP_INTERVAL_MS = 1000
 MAX_SCAN = 10_000  # entries a filtered read looks at before returning
 SNAPSHOT_MAGIC = b"BSNP"
 SNAPSHOT_VERSION = 1
+CHECKPOINT_MAGIC = b"BCKP"
 _SNAP_HDR = struct.Struct(">4sBI")
+
+
+def _load_blob(data: bytes, magic: bytes, what: str) -> dict[object, object]:
+    """The value of a snapshot or checkpoint blob (header: magic, version,
+    CRC32 of the rest); raises MalformedCommand."""
+    if len(data) < _SNAP_HDR.size:
+        raise MalformedCommand(f"{what} is truncated")
+    got, version, crc = _SNAP_HDR.unpack_from(data, 0)
+    if got != magic:
+        raise MalformedCommand(f"not a broker {what}")
+    if version != SNAPSHOT_VERSION:
+        raise MalformedCommand(f"{what} version {version} is not supported")
+    payload = data[_SNAP_HDR.size :]
+    if zlib.crc32(payload) != crc:
+        raise MalformedCommand(f"{what} CRC mismatch")
+    v, end = load_value(payload)
+    if end != len(payload) or not isinstance(v, dict):
+        raise MalformedCommand(f"{what} has trailing bytes or a wrong shape")
+    return v
 
 
 @dataclass(frozen=True, slots=True)
@@ -944,14 +964,8 @@ class BrokerState:
     # ======================================================================
     # snapshot / restore
     # ======================================================================
-    def _freeze(self) -> Callable[[], dict[str, object]]:
-        """Cheap copies of everything the snapshot holds (array slices are
-        memcpy, list slices copy pointers to immutable bytes); the returned
-        function converts them into the snapshot value, off the apply path."""
-        frozen_topics = [
-            (name, t.rr, [(q.qid, q.lo, q.hi) for q in t.queues])
-            for name, t in self._topics.items()
-        ]
+    def _meta_value(self) -> dict[str, object]:
+        """Everything but the topics' messages, as plain values (copies)."""
         groups = {
             g: {f"{tp}\x00{q}": off for (tp, q), off in offs.items()}
             for g, offs in self._groups.items()
@@ -973,7 +987,7 @@ class BrokerState:
                     ],
                 ]
             producers[pid] = [p.epoch, p.last_ts, seqs]
-        head: dict[str, object] = {
+        return {
             "broker": self.broker_name,
             "applied": self.applied_index,
             "confirm": self.confirm_offset,
@@ -987,7 +1001,50 @@ class BrokerState:
                 self.producer_idle_ms,
             ],
             "stored": [self.stored_bytes, self.stored_messages],
+            "groups": groups,
+            "producers": producers,
         }
+
+    def checkpoint_blob(self) -> bytes:
+        """The state without its records and ConsumeQueue entries (those are
+        in :attr:`bodies`, under the local queue ids this blob names):
+        versioned and CRC-checked like a snapshot. With a durable store it is
+        written in the same transaction as the store's changes up to
+        ``applied_index``, so :meth:`from_checkpoint` gives this state back
+        at a restart without replaying the log."""
+        v = self._meta_value()
+        v["topics"] = {
+            name: [t.rr, [[q.qid, q.lo, q.hi] for q in t.queues]]
+            for name, t in self._topics.items()
+        }
+        v["next_qid"] = self._next_qid
+        parts: list[bytes] = []
+        dump_value(v, parts)
+        payload = b"".join(parts)
+        return _SNAP_HDR.pack(CHECKPOINT_MAGIC, SNAPSHOT_VERSION, zlib.crc32(payload)) + payload
+
+    @classmethod
+    def from_checkpoint(cls, data: bytes, bodies: Bodies) -> BrokerState:
+        """The state :meth:`checkpoint_blob` was taken from, over ``bodies``
+        (which must hold the store as of that moment); raises
+        MalformedCommand when the blob is damaged or of another version."""
+        v = _load_blob(data, CHECKPOINT_MAGIC, "checkpoint")
+        try:
+            return cls._from_value(v, bodies, checkpoint=True)
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise MalformedCommand(f"checkpoint has a wrong shape: {exc!r}") from None
+
+    def _freeze(self) -> Callable[[], dict[str, object]]:
+        """Cheap copies of everything the snapshot holds (array slices are
+        memcpy, list slices copy pointers to immutable bytes); the returned
+        function converts them into the snapshot value, off the apply path."""
+        frozen_topics = [
+            (name, t.rr, [(q.qid, q.lo, q.hi) for q in t.queues])
+            for name, t in self._topics.items()
+        ]
+        meta = self._meta_value()
+        groups, producers = meta.pop("groups"), meta.pop("producers")
+        head: dict[str, object] = meta
 
         frozen = self.bodies.freeze()
 
@@ -1049,26 +1106,16 @@ class BrokerState:
     def restore(cls, data: bytes, bodies: Bodies | None = None) -> BrokerState:
         """The state a snapshot was taken from; raises MalformedCommand.
         ``bodies`` (emptied and refilled) holds the restored records."""
-        if len(data) < _SNAP_HDR.size:
-            raise MalformedCommand("snapshot is truncated")
-        magic, version, crc = _SNAP_HDR.unpack_from(data, 0)
-        if magic != SNAPSHOT_MAGIC:
-            raise MalformedCommand("not a broker snapshot")
-        if version != SNAPSHOT_VERSION:
-            raise MalformedCommand(f"snapshot version {version} is not supported")
-        payload = data[_SNAP_HDR.size :]
-        if zlib.crc32(payload) != crc:
-            raise MalformedCommand("snapshot CRC mismatch")
-        v, end = load_value(payload)
-        if end != len(payload) or not isinstance(v, dict):
-            raise MalformedCommand("snapshot has trailing bytes or a wrong shape")
+        v = _load_blob(data, SNAPSHOT_MAGIC, "snapshot")
         try:
             return cls._from_value(v, bodies)
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise MalformedCommand(f"snapshot has a wrong shape: {exc!r}") from None
 
     @classmethod
-    def _from_value(cls, v: dict[object, object], bodies: Bodies | None) -> BrokerState:
+    def _from_value(
+        cls, v: dict[object, object], bodies: Bodies | None, checkpoint: bool = False
+    ) -> BrokerState:
         def d(x: object) -> dict[object, object]:
             if not isinstance(x, dict):
                 raise TypeError("expected a map")
@@ -1111,7 +1158,19 @@ class BrokerState:
         )
         stored = lst(v["stored"])
         st.stored_bytes, st.stored_messages = i(stored[0]), i(stored[1])
-        for name, tv in d(v["topics"]).items():
+        if checkpoint:
+            # Queue ids name the store's entries: kept as they were.
+            for name, tv in d(v["topics"]).items():
+                rr, qs = lst(tv)
+                queues = []
+                for qv in lst(qs):
+                    qid, lo, hi = (i(x) for x in lst(qv))
+                    if not 0 <= lo <= hi:
+                        raise ValueError(f"queue {qid} has range [{lo}, {hi})")
+                    queues.append(_Queue(qid, lo, hi))
+                st._topics[s(name)] = _Topic(s(name), queues, i(rr))
+            st._next_qid = i(v["next_qid"])
+        for name, tv in d(v["topics"]).items() if not checkpoint else ():
             rr, qs = lst(tv)
             queues = []
             for qv in lst(qs):
@@ -1157,5 +1216,6 @@ class BrokerState:
                 prod.seqs[(tp, int(qs_))] = seq
             st._producers[i(pid)] = prod
         st.bodies = bodies if bodies is not None else MemoryBodies()
-        st.bodies.replace_all(records, index)
+        if not checkpoint:
+            st.bodies.replace_all(records, index)
         return st

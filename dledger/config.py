@@ -190,7 +190,11 @@ class NodeConfig:
     snapshot_stream_timeout_ms: int = 10_000
     snapshot_max_bytes: int = 8 << 30
     # Storage.
-    map_size_bytes: int = 256 << 20
+    # LMDB's map is address space, not memory or disk (the file grows as
+    # pages are written). Big from the start: growing it is only safe with no
+    # transaction open in the process, and the broker's records and index
+    # live in the same environment as the log.
+    map_size_bytes: int = 64 << 30
     verify: VerifyMode = "tail"
     verify_tail_entries: int = 1024
     # HTTP: how long a proposal or read waits for its answer by default.

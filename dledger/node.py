@@ -112,7 +112,12 @@ from dledger.errors import (
 from dledger.metrics import Histogram
 from dledger.runtime import NodeEnv, NodeStorage, NodeTransport
 from dledger.snapshot_stream import SnapshotStreams, StreamSettings, is_stream_frame
-from dledger.statemachine import LogStateMachine, StateMachine
+from dledger.statemachine import (
+    DurableStateMachine,
+    LogStateMachine,
+    SnapshotError,
+    StateMachine,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +132,11 @@ _STOP_TIMEOUT_S = 10.0
 _COMPACT_STEP = 4096
 # Queued operations (proposals, reads, admin) taken into the core per pass.
 _OPS_PER_PASS = 1024
+# A state machine that lives in the storage (DurableStateMachine) is
+# checkpointed into the next group commit this often (and at stop), so a
+# restart replays at most about this much of the log.
+_CHECKPOINT_INTERVAL_S = 1.0
+_CHECKPOINT_ENTRIES = 20_000
 
 # Node-level planted bug (simulator checker self-test; set through
 # RaftConfig.faults / NodeConfig.faults, never in production): a lease read is
@@ -269,11 +279,24 @@ class Node:
             "snapshots_installed": 0,
             "snapshots_sent": 0,
             "snapshots_send_failed": 0,
+            "checkpoints": 0,
+            "checkpoints_discarded": 0,
         }
         # The latest durable snapshot (payload included, for sending), its
         # index at start, and snapshot sends to report as failed after advance().
         self._snap: Snapshot | None = None
         self.restored_from_snapshot = 0
+        # A durable state machine: the applied index of the checkpoint it
+        # came back from at start (0: none), of the last one staged, when,
+        # and the storage's number for it (None once durable).
+        sm = self.state_machine
+        self._durable_sm: DurableStateMachine | None = (
+            sm if isinstance(sm, DurableStateMachine) and sm.durable else None
+        )
+        self.restored_from_checkpoint = 0
+        self._ckpt_applied = 0
+        self._ckpt_at_s = 0.0
+        self._ckpt_seq: int | None = None
         # Snapshot streams that ended, reported to the core after advance():
         # (peer, delivered).
         self._snap_reports: list[tuple[int, bool]] = []
@@ -336,18 +359,27 @@ class Node:
         started = False
         try:
             snap = storage.snapshot()
-            if snap is not None:
+            applied = self._load_checkpoint(storage, snap)
+            if applied is not None:
+                # The state machine came back from its own checkpoint in the
+                # storage: the core replays only what follows it.
+                self.applied = self.restored_from_checkpoint = applied
+                self._snap = snap
+            elif snap is not None:
                 # The state machine comes back from the snapshot; the core
                 # replays only what follows it.
                 self.state_machine.restore(snap.data)
                 self.applied = self.restored_from_snapshot = snap.meta.index
                 self._snap = snap
+            else:
+                applied = 0
+            self._ckpt_applied = self.applied
             raft = RawNode(
                 cfg.raft_config(),
                 storage,
                 storage,
                 env.rng,
-                applied=snap.meta.index if snap is not None else 0,
+                applied=self.applied,
                 snapshot=snap.meta if snap is not None else None,
             )
             transport = env.make_transport(
@@ -370,7 +402,7 @@ class Node:
         hs = storage.hard_state()
         logger.info(
             "node %d: opened %s (entries %d..%d, term %d, vote %d, commit %d, flush=%s, "
-            "restored from snapshot at index %d)",
+            "restored from snapshot at index %d, from checkpoint at index %d)",
             cfg.node_id,
             cfg.data_dir,
             storage.first_index(),
@@ -380,6 +412,7 @@ class Node:
             hs.commit,
             cfg.flush,
             self.restored_from_snapshot,
+            self.restored_from_checkpoint,
         )
         self._t0 = self._started_at = self._last_flush_s = self._clock()
         self._last_catch_up_s = self._t0
@@ -387,6 +420,68 @@ class Node:
         self._task = asyncio.get_running_loop().create_task(
             self._run(), name=f"dledger-node-{cfg.node_id}"
         )
+
+    def _load_checkpoint(self, storage: NodeStorage, snap: Snapshot | None) -> int | None:
+        """A durable state machine's last checkpoint, if it can be used: its
+        applied index must lie between the snapshot's index and the durable
+        commit index (it can only be behind the commit: it is written in a
+        later transaction than the entries it applied). Anything else, a
+        damaged checkpoint included, is discarded and the state rebuilt from
+        the snapshot and the log, never served."""
+        sm = self._durable_sm
+        if sm is None:
+            return None
+        sm.attach_storage(storage)
+        nid = self.cfg.node_id
+        try:
+            applied = sm.load_checkpoint()
+        except SnapshotError as exc:
+            logger.warning("node %d: the state checkpoint is damaged (%s): rebuilding", nid, exc)
+            applied = None
+            self.counters["checkpoints_discarded"] += 1
+        else:
+            lo = snap.meta.index if snap is not None else 0
+            hi = min(storage.hard_state().commit, storage.last_index())
+            if applied is not None and not lo <= applied <= hi:
+                logger.warning(
+                    "node %d: the state checkpoint at %d is outside [%d, %d]: rebuilding",
+                    nid,
+                    applied,
+                    lo,
+                    hi,
+                )
+                applied = None
+                self.counters["checkpoints_discarded"] += 1
+        if applied is None:
+            sm.discard_checkpoint()  # whatever a crash mid-rebuild left
+            return None
+        return applied
+
+    def _maybe_checkpoint(self) -> None:
+        """Stage a checkpoint of a durable state machine into the next group
+        commit once enough was applied or enough time passed."""
+        sm = self._durable_sm
+        if sm is None:
+            return
+        if self._ckpt_seq is not None and sm.checkpoint_durable(self._ckpt_seq):
+            self._ckpt_seq = None
+        if self.applied == self._ckpt_applied:
+            return
+        now = self._clock()
+        if (
+            self.applied - self._ckpt_applied < _CHECKPOINT_ENTRIES
+            and now - self._ckpt_at_s < _CHECKPOINT_INTERVAL_S
+        ):
+            return
+        self._stage_checkpoint(now)
+
+    def _stage_checkpoint(self, now: float) -> None:
+        sm = self._durable_sm
+        assert sm is not None
+        self._ckpt_seq = sm.checkpoint()
+        self._ckpt_applied = self.applied
+        self._ckpt_at_s = now
+        self.counters["checkpoints"] += 1
 
     async def stop(self) -> None:
         """Finish the current Ready, fail what is pending, close everything.
@@ -417,6 +512,8 @@ class Node:
         if self._storage is not None and clean:
             if self.fatal is None:
                 with contextlib.suppress(DLedgerError):
+                    if self._durable_sm is not None and self.applied != self._ckpt_applied:
+                        self._stage_checkpoint(self._clock())  # a clean restart replays nothing
                     self._storage.sync()  # a commit-index-only hard state, if any
             self._storage.close()
             self._unlock()
@@ -805,6 +902,7 @@ class Node:
                     conf_applied = self._apply(rd)
                     r.advance(rd)
                     self._after_advance(r, rd, conf_applied)
+                    self._maybe_checkpoint()
                     if rd.snapshot is not None:
                         self._update_peers(r)
                     for to, ok in self._snap_reports:
@@ -817,6 +915,7 @@ class Node:
                     self._step_inputs(r)
                     await asyncio.sleep(0)
                 await self._snapshot_housekeeping(r)
+                await self._checkpoint_housekeeping()
                 await self._maybe_flush()
                 self._end_pass(start, due)
         except Exception as exc:
@@ -962,6 +1061,9 @@ class Node:
         self.state_machine.restore(snap.data)
         st.apply_snapshot(snap)
         self.applied = meta.index
+        if self._durable_sm is not None:
+            # The restored state goes into this Ready's commit with the snapshot.
+            self._stage_checkpoint(self._clock())
         self._snap = snap
         self.counters["snapshots_installed"] += 1
         for idx in [i for i in self._pending if i <= meta.index]:
@@ -1075,6 +1177,22 @@ class Node:
             )
         else:
             self._wake.set()  # the next step comes after whatever queued meanwhile
+
+    async def _checkpoint_housekeeping(self) -> None:
+        """A checkpoint staged but not yet written (no Ready came to carry
+        it: the node went quiet) gets a group commit of its own; one that
+        is due on a quiet node is staged first."""
+        sm = self._durable_sm
+        if sm is None:
+            return
+        self._maybe_checkpoint()
+        if self._ckpt_seq is None:
+            return
+        st = self._storage
+        assert st is not None
+        await self.env.offload(self._sync_blocking, st)
+        if sm.checkpoint_durable(self._ckpt_seq):
+            self._ckpt_seq = None
 
     def _sync_blocking(self, st: NodeStorage) -> None:
         st.sync()

@@ -20,7 +20,7 @@ import zlib
 from array import array
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from dledger.core.types import Entry, EntryType
 
@@ -38,6 +38,33 @@ class StateMachine(Protocol):
         ...
 
     def restore(self, data: bytes) -> None: ...
+
+
+@runtime_checkable
+class DurableStateMachine(Protocol):
+    """A state machine that keeps its state in the node's storage, written in
+    the log's group commits (see ``LmdbStorage.stage``), so a restart reads
+    it back instead of replaying the log from the snapshot. The node stages
+    a checkpoint every so often; at start it asks for the last one."""
+
+    @property
+    def durable(self) -> bool: ...
+
+    def attach_storage(self, storage: Any) -> None: ...
+
+    def checkpoint(self) -> int:
+        """Stage the state as of the last applied entry; returns the number
+        ``checkpoint_durable`` takes."""
+        ...
+
+    def checkpoint_durable(self, seq: int) -> bool: ...
+
+    def load_checkpoint(self) -> int | None:
+        """The applied index of the last durable checkpoint (the state is
+        taken back from it), or None; SnapshotError if it is damaged."""
+        ...
+
+    def discard_checkpoint(self) -> None: ...
 
 
 class SnapshotError(ValueError):

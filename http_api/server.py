@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 
+
 from aiohttp import web
 
-from broker_adapter.bodies import LmdbBodies
+from broker_adapter.bodies import Bodies, DurableBodies, LmdbBodies
 from broker_adapter.node_sm import BrokerStateMachine
 from dledger.admin_http import AdminServer, make_app
 from dledger.config import NodeConfig
@@ -32,9 +33,16 @@ def make_state_machine(cfg: NodeConfig) -> StateMachine:
     ``/raft/applied`` needs (it is a LogStateMachine)."""
     if cfg.state_machine == "log":
         return LogStateMachine()
-    # Message records live in LMDB next to the log (rebuilt from the snapshot
-    # and the log at every start), so memory holds only the queue index.
-    bodies = LmdbBodies(os.path.join(cfg.data_dir, "broker-bodies"))
+    if cfg.replication == "controller":
+        # Controller mode rebuilds its state at start and after a truncation:
+        # records in a store of their own next to the log.
+        bodies: Bodies = LmdbBodies(os.path.join(cfg.data_dir, "broker-bodies"))
+    else:
+        # Message records and the ConsumeQueue live in the log's own LMDB
+        # environment, checkpointed in its group commits: memory holds only
+        # the metadata, and a restart reads the state back instead of
+        # rebuilding it.
+        bodies = DurableBodies()
     return BrokerStateMachine(broker_name=cfg.cluster_id, bodies=bodies)
 
 

@@ -91,6 +91,18 @@ going backwards, a ``pos`` that does not continue the previous entry -- and
 ``upto - 1``. Accepting them would only turn into a false corruption report
 at the next restart.
 
+Side databases
+--------------
+The owner of the node's state machine can keep its own durable state in the
+same environment (:meth:`LmdbStorage.side_db`, at most
+``MAX_SIDE_DBS`` named databases): :meth:`LmdbStorage.stage` hands over a
+batch of puts and deletes, and the next ``sync()`` writes it in the same
+write transaction as the log, so the two only ever move together (in
+``async`` mode a power loss rolls both back to the same transaction).
+The storage never reads what it stages; the owner keeps its own
+read-your-writes view until :attr:`LmdbStorage.side_synced` reaches the
+number :meth:`stage` returned.
+
 Snapshots
 ---------
 :class:`LmdbStorage` also implements
@@ -171,6 +183,9 @@ _META_FORMAT = b"format"
 _META_HARD_STATE = b"hard_state"
 _META_FRONT = b"front"
 _META_SNAPSHOT = b"snapshot"
+# The log's own databases plus these many for the owner's state (side_db).
+MAX_SIDE_DBS = 4
+_OWN_DBS = (b"log", b"meta", b"epochs")
 
 SNAPSHOT_MAGIC = b"DLSNAP\x00\x01"
 SNAPSHOT_VERSION = 1
@@ -389,7 +404,7 @@ class LmdbStorage:
                 subdir=True,
                 lock=True,
                 readahead=False,  # random reads of recent entries; don't pollute the cache
-                max_dbs=8,
+                max_dbs=len(_OWN_DBS) + MAX_SIDE_DBS,
                 max_readers=max_readers,
                 sync=durable,
                 metasync=durable,
@@ -470,6 +485,14 @@ class LmdbStorage:
         self._last, self._last_term, self._last_end = last, last_term, last_end
         # Epochs as parallel sorted lists so term(i) is a bisect on _ep_idx.
         self._ep_terms, self._ep_idx, self._ep_pos = terms, idxs, poss
+
+        # Side databases (see "Side databases"): their handles, the batches
+        # staged for the next commit, and how many stage() calls are durable.
+        self._side: dict[bytes, lmdb._Database] = {}
+        self._side_pending: dict[bytes, dict[bytes, bytes | None]] = {}
+        self._side_staged = 0
+        self.side_synced = 0
+        self._batch_side: dict[bytes, dict[bytes, bytes | None]] = {}
 
         # The buffered batch: durable records are live for (offset, limit),
         # _pending holds entries limit..last.
@@ -1036,6 +1059,7 @@ class LmdbStorage:
             or self._hs_dirty
             or self._dirty_terms
             or self._snap_pending is not None
+            or bool(self._side_pending)
         )
 
     def sync(self) -> None:
@@ -1056,12 +1080,18 @@ class LmdbStorage:
             name = self._snap_pending_file or self._write_snapshot_file(snap)
             header = snapshot_header(snap.meta, len(snap.data))
         self._batch_snap_header = header
+        # The side batch is taken whole now: a stage() meanwhile (the owner's
+        # thread) goes to the next commit, never half into this one.
+        self._batch_side, side_staged = self._side_pending, self._side_staged
+        self._side_pending = {}
         t0 = time.perf_counter()
         self._write(self._apply_batch)
         if self.flush_mode == "sync":
             self.fsync_seconds.observe(time.perf_counter() - t0)
         # Only now, after a successful commit, is the batch forgotten.
         self._pending.clear()
+        self._batch_side = {}
+        self.side_synced = side_staged
         self._limit = self._last + 1
         self._durable_last = self._last
         self._hs_dirty = self._front_dirty = False
@@ -1180,6 +1210,93 @@ class LmdbStorage:
                 txn.put(key, value, db=self._epoch_db)
             else:
                 txn.delete(key, db=self._epoch_db)
+
+        # 5. The owner's side databases (see "Side databases").
+        for name, changes in self._batch_side.items():
+            db = self._side[name]
+            puts = []
+            for key, value in changes.items():
+                if value is None:
+                    txn.delete(key, db=db)
+                else:
+                    puts.append((key, value))
+            if puts:
+                puts.sort()
+                txn.cursor(db=db).putmulti(puts)
+
+    # -- side databases ----------------------------------------------------
+    def side_db(self, name: bytes) -> lmdb._Database:
+        """Open (creating it) the owner's database ``name`` in this
+        environment; reads go through :meth:`side_read`."""
+        if name in _OWN_DBS:
+            raise ValueError(f"{name!r} is one of the log's own databases")
+        db = self._side.get(name)
+        if db is None:
+            if len(self._side) >= MAX_SIDE_DBS:
+                raise ValueError(f"at most {MAX_SIDE_DBS} side databases")
+            db = self._side[name] = self._env.open_db(name)
+        return db
+
+    def stage(self, changes: dict[bytes, dict[bytes, bytes | None]]) -> int:
+        """Hand over puts (bytes) and deletes (None) per side database, to be
+        written by the next :meth:`sync` in the log's transaction. Returns a
+        number: the batch is durable once :attr:`side_synced` reaches it.
+        A later stage of the same key wins. The dicts become the storage's."""
+        if self._failed is not None:
+            raise self._failed
+        for name, batch in changes.items():
+            if name not in self._side:
+                raise ValueError(f"side database {name!r} was not opened (side_db)")
+            if not batch:
+                continue
+            have = self._side_pending.get(name)
+            if have is None:
+                self._side_pending[name] = batch
+            else:
+                have.update(batch)
+        if not any(changes.values()):
+            return self._side_staged  # nothing new: as durable as the last
+        self._side_staged += 1
+        return self._side_staged
+
+    @property
+    def env(self) -> lmdb.Environment:
+        """The environment, for the owner's read transactions over its side
+        databases (they see what the last committed ``sync()`` wrote)."""
+        return self._env
+
+    def side_clear(self, *names: bytes) -> None:
+        """Drop every record of the side databases ``names`` now, in one
+        transaction of its own (a rebuild of the owner's state; nothing
+        staged for them survives)."""
+        if self._failed is not None:
+            raise self._failed
+        dbs = [self._side[n] for n in names]
+        for n in names:
+            self._side_pending.pop(n, None)
+
+        def drop(txn: lmdb.Transaction[bytes]) -> None:
+            for db in dbs:
+                txn.drop(db, delete=False)
+
+        self._write(drop)
+
+    def side_put_now(self, name: bytes, items: list[tuple[bytes, bytes]]) -> None:
+        """Write ``items`` into side database ``name`` now, in a transaction
+        of its own (bulk loads while the owner rebuilds; not fsynced: the
+        owner's next staged batch, committed by ``sync()``, makes them
+        durable along with the record that says they are complete)."""
+        if self._failed is not None:
+            raise self._failed
+        if not items:
+            return
+        db = self._side[name]
+        items.sort()
+
+        def put(txn: lmdb.Transaction[bytes]) -> None:
+            txn.cursor(db=db).putmulti(items)
+
+        self._write(put)
 
     def maybe_flush(self, now_s: float) -> bool:
         """Async mode: fsync committed transactions if ``flush_interval_s``

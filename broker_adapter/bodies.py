@@ -672,9 +672,7 @@ class DurableBodies(LmdbBodies):
 
     def freeze(self) -> Frozen:
         env, recs, idx = self._open()
-        return _OverlayFrozen(
-            env.begin(), recs, idx, dict(self._pending), dict(self._pending_idx)
-        )
+        return _OverlayFrozen(env.begin(), recs, idx, dict(self._pending), dict(self._pending_idx))
 
     def close(self) -> None:
         self._pending.clear()

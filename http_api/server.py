@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 
-
 from aiohttp import web
 
 from broker_adapter.bodies import Bodies, DurableBodies, LmdbBodies

@@ -1214,12 +1214,12 @@ class LmdbStorage:
         # 5. The owner's side databases (see "Side databases").
         for name, changes in self._batch_side.items():
             db = self._side[name]
-            puts = []
-            for key, value in changes.items():
-                if value is None:
-                    txn.delete(key, db=db)
+            puts: list[tuple[bytes, bytes]] = []
+            for skey, svalue in changes.items():
+                if svalue is None:
+                    txn.delete(skey, db=db)
                 else:
-                    puts.append((key, value))
+                    puts.append((skey, svalue))
             if puts:
                 puts.sort()
                 txn.cursor(db=db).putmulti(puts)

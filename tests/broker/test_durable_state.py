@@ -137,7 +137,9 @@ def test_a_damaged_checkpoint_is_refused_then_discarded(tmp_path: Path) -> None:
     storage.sync()
     db = storage.side_db(b"broker")
     with storage.env.begin(write=True) as txn:
-        blob = bytearray(txn.get(b"checkpoint", db=db))
+        raw = txn.get(b"checkpoint", db=db)
+        assert raw is not None
+        blob = bytearray(raw)
         blob[-3] ^= 0x40
         txn.put(b"checkpoint", bytes(blob), db=db)
     back = durable_sm(storage)

@@ -11,10 +11,10 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient
 
+from dledger.cluster import free_ports
 from dledger.config import NodeConfig
 from dledger.node import Node
 from dledger.storage.lmdb_store import LmdbStorage
-from dledger.cluster import free_ports
 from http_api.guard import HttpLimits
 from http_api.server import make_node_app, make_state_machine
 from tests.http.onenode import NodeTestServer
@@ -94,7 +94,9 @@ async def test_a_restart_comes_back_from_the_checkpoint(tmp_path: Path) -> None:
     st = LmdbStorage(cfg.data_dir)
     db = st.side_db(b"broker")
     with st.env.begin(write=True) as txn:
-        blob = bytearray(txn.get(b"checkpoint", db=db))
+        raw = txn.get(b"checkpoint", db=db)
+        assert raw is not None
+        blob = bytearray(raw)
         blob[len(blob) // 2] ^= 0x01
         txn.put(b"checkpoint", bytes(blob), db=db)
     st.close()

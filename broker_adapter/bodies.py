@@ -27,6 +27,7 @@ thread while the loop keeps applying.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import itertools
 import os
@@ -35,11 +36,12 @@ import struct
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import lmdb
 
 from broker_adapter.errors import MalformedCommand
+from dledger.core.types import Entry
 
 _KEY = struct.Struct(">Q")
 _IKEY = struct.Struct(">IQ")  # queue id, queue offset
@@ -70,6 +72,15 @@ class Frozen(Protocol):
 
 
 class Bodies(Protocol):
+    # True: records stay in the log entries that carry them (put_entry);
+    # False: each record is stored here (put).
+    log_backed: bool
+
+    def put_entry(self, index: int, pos: int) -> None:
+        """Log entry ``index`` at CommitLog position ``pos`` holds records
+        (a log-backed store only)."""
+        ...
+
     # records by physical offset
     def put(self, phys: int, rec: bytes) -> None: ...
 
@@ -132,6 +143,11 @@ class _MemFrozen:
 
 class MemoryBodies:
     """Dicts (tests, the simulator, the pure adapter's benchmarks)."""
+
+    log_backed = False
+
+    def put_entry(self, index: int, pos: int) -> None:
+        raise TypeError("records are stored here: put, not put_entry")
 
     def __init__(self) -> None:
         self._d: dict[int, bytes] = {}
@@ -238,6 +254,11 @@ class _LmdbFrozen:
 
 class LmdbBodies:
     """See the module docstring. ``path`` is emptied when first used."""
+
+    log_backed = False
+
+    def put_entry(self, index: int, pos: int) -> None:
+        raise TypeError("records are stored here: put, not put_entry")
 
     # The map is address space, not memory or disk (the file grows as pages
     # are written), so it starts huge: growing it needs no transaction open in
@@ -501,7 +522,7 @@ class LmdbBodies:
 class SideStorage(Protocol):
     """What :class:`DurableBodies` needs of the node's log storage
     (:class:`dledger.storage.lmdb_store.LmdbStorage`): side databases written
-    in the log's own transactions."""
+    in the log's own transactions, and the log's entries."""
 
     side_synced: int
 
@@ -516,33 +537,81 @@ class SideStorage(Protocol):
 
     def side_put_now(self, name: bytes, items: list[tuple[bytes, bytes]]) -> None: ...
 
+    def entries(self, lo: int, hi: int, max_bytes: int | None = None) -> list[Entry]: ...
+
+    def entry_in(self, txn: lmdb.Transaction[Any], index: int) -> Entry | None: ...
+
 
 _CKPT_DB = b"broker"
 _CKPT_KEY = b"checkpoint"
+_POS_DB = b"entrypos"  # CommitLog position of a produce entry -> its log index
+
+
+class _EntryCache:
+    """The last log entry a read used: a page of adjacent messages is one
+    entry read, not one per message."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self) -> None:
+        self.entry: Entry | None = None
+
+
+def _slice(entry: Entry, phys: int, size: int | None) -> bytes:
+    """The record at CommitLog position ``phys`` inside ``entry``."""
+    off = phys - entry.pos
+    if size is None:
+        # The record's own length prefix (codec: a u32 size first).
+        if off + 4 > len(entry.data):
+            raise BodyMissing(f"entry {entry.index} holds no record at physical offset {phys}")
+        size = int.from_bytes(entry.data[off : off + 4], "big")
+    if off < 0 or size <= 0 or off + size > len(entry.data):
+        raise BodyMissing(f"entry {entry.index} holds no record at physical offset {phys}")
+    return entry.data[off : off + size]
 
 
 class _OverlayFrozen(_LmdbFrozen):
-    """A frozen LMDB view with the changes not yet written on top."""
+    """A frozen view: the archive and index as committed, the changes not yet
+    written on top, and records of log entries read from the log as the same
+    read transaction sees it (applied entries are always in the log's
+    committed image)."""
 
     def __init__(
         self,
         txn: lmdb.Transaction,
-        recs: lmdb._Database,
-        idx: lmdb._Database,
+        owner: DurableBodies,
         over: dict[bytes, bytes | None],
         over_idx: dict[bytes, bytes | None],
+        pos_rows: list[tuple[int, int]],
     ) -> None:
+        _env, recs, idx = owner._open()
         super().__init__(txn, recs, idx)
+        self._owner = owner
         self._over, self._over_idx = over, over_idx
+        self._pos_rows = pos_rows
+        self._archive_end = owner._archive_end
 
     def records(self, phys: Sequence[int]) -> list[bytes]:
         out: list[bytes] = []
+        cache = _EntryCache()
+        st = self._owner._storage
+        assert st is not None
         for p in phys:
-            key = _KEY.pack(p)
-            rec = self._over[key] if key in self._over else self._txn.get(key, db=self._recs)
-            if rec is None:
-                raise BodyMissing(f"no stored record at physical offset {p}")
-            out.append(bytes(rec))
+            if p < self._archive_end:
+                key = _KEY.pack(p)
+                rec = self._over[key] if key in self._over else self._txn.get(key, db=self._recs)
+                if rec is None:
+                    raise BodyMissing(f"no stored record at physical offset {p}")
+                out.append(bytes(rec))
+                continue
+            e = cache.entry
+            if e is None or not e.pos <= p < e.end_pos:
+                index = self._owner._index_of(p, self._txn, self._pos_rows)
+                e = st.entry_in(self._txn, index) if index is not None else None
+                if e is None:
+                    raise BodyMissing(f"no log entry holds physical offset {p}")
+                cache.entry = e
+            out.append(_slice(e, p, None))
         return out
 
     def columns(self, qid: int, lo: int, hi: int) -> tuple[array[int], ...]:
@@ -559,30 +628,53 @@ class _OverlayFrozen(_LmdbFrozen):
 
 
 class DurableBodies(LmdbBodies):
-    """Records and ConsumeQueue entries in side databases of the node's own
-    log environment (:class:`SideStorage`), written in the log's group
-    commits together with a checkpoint of the rest of the broker state, so a
-    restart reads the state back instead of rebuilding it.
+    """The broker's store inside the node's own log environment
+    (:class:`SideStorage`): one copy of each record.
 
-    Changes stay in memory (read through, as :class:`LmdbBodies` does) until
-    :meth:`stage_checkpoint` hands a copy of them and the checkpoint blob to
-    the storage; once the storage reports that batch durable,
-    :meth:`prune` forgets the overlay entries it wrote (those not changed
-    again since). What is on disk is therefore always a whole checkpoint:
-    the store as of the blob's applied index, never a mix.
+    * **Records are read from the log.** A produce entry's records stay in
+      the log entry that carries them; the store keeps only the entry's
+      CommitLog position -> log index (``entrypos``), and a read finds the
+      entry holding a physical offset and slices the record out of it (the
+      entry's CRC checked on every read). Records restored from a snapshot
+      (their entries are not in this node's log) are kept in ``records``,
+      below :attr:`_archive_end`.
+    * **The ConsumeQueue** is in ``consumequeue`` as in :class:`LmdbBodies`.
+    * **Checkpoints.** Changes stay in memory (read through) until
+      :meth:`stage_checkpoint` hands them, and a blob with the rest of the
+      state as of the same moment, to the storage's next group commit; once
+      that is durable, :meth:`prune` forgets what it wrote. What is on disk
+      is therefore always a whole checkpoint, never a mix.
+
+    The log must keep every entry that holds a retained record: the node
+    compacts it no further than :meth:`index_of` the oldest one.
     """
+
+    log_backed = True
 
     def __init__(self) -> None:
         super().__init__("", batch=1 << 62)
         self._storage: SideStorage | None = None
         self._staged: list[tuple[int, dict[bytes, bytes | None], dict[bytes, bytes | None]]] = []
+        # Produce entries applied since the last durable checkpoint, in order:
+        # (position, index); rows before _pos_done are durable (dropped here).
+        self._pos_rows: list[tuple[int, int]] = []
+        self._pos_done = 0  # rows ever dropped from the front of _pos_rows
+        self._pos_staged: list[tuple[int, int]] = []  # (seq, rows up to)
+        self._pos_deletes: dict[bytes, bytes | None] = {}
+        self._archive_end = 0
+        self._pos_db: lmdb._Database | None = None
 
     def attach(self, storage: SideStorage) -> None:
         """Bind to the node's open storage (before any other call)."""
         self._storage = storage
         self._dbs = (storage.side_db(_DB), storage.side_db(_IDX_DB))
         storage.side_db(_CKPT_DB)
+        self._pos_db = storage.side_db(_POS_DB)
         self._env_ = storage.env
+        with self._env_.begin() as txn:
+            cur = txn.cursor(db=self._dbs[0])
+            if cur.last():
+                self._archive_end = _KEY.unpack(cur.key())[0] + len(cur.value())
 
     def _open(self) -> tuple[lmdb.Environment, lmdb._Database, lmdb._Database]:
         if self._env_ is None or self._dbs is None:
@@ -595,6 +687,100 @@ class DurableBodies(LmdbBodies):
     def commit(self) -> None:
         pass
 
+    # -- records: in the log (or the archive) -------------------------------------
+    def put_entry(self, index: int, pos: int) -> None:
+        """Entry ``index`` at CommitLog position ``pos`` holds records."""
+        self._pos_rows.append((pos, index))
+
+    def put(self, phys: int, rec: bytes) -> None:
+        raise TypeError("records stay in the log: put_entry, not put")
+
+    def delete(self, phys: int) -> None:
+        if phys < self._archive_end:
+            self._pending[_KEY.pack(phys)] = None
+        # a record in a log entry goes when the log is compacted past it
+
+    def _index_of(
+        self, phys: int, txn: lmdb.Transaction, rows: list[tuple[int, int]]
+    ) -> int | None:
+        if rows and phys >= rows[0][0]:
+            k = bisect.bisect_right(rows, (phys, 1 << 63)) - 1
+            return rows[k][1]
+        cur = txn.cursor(db=self._pos_db)
+        if cur.set_range(_KEY.pack(phys + 1)):
+            if not cur.prev():
+                return None
+        elif not cur.last():
+            return None
+        key = cur.key()
+        if key in self._pos_deletes:
+            return None
+        return int(_KEY.unpack(cur.value())[0])
+
+    def index_of(self, phys: int) -> int | None:
+        """The log index of the entry holding the record at ``phys``, or None
+        for a record kept in the archive."""
+        if phys < self._archive_end:
+            return None
+        env, _, _ = self._open()
+        txn = self._rtxn if self._rtxn is not None else env.begin()
+        try:
+            return self._index_of(phys, txn, self._pos_rows)
+        finally:
+            if txn is not self._rtxn:
+                txn.abort()
+
+    def _from_log(self, phys: int, size: int | None, cache: _EntryCache) -> bytes:
+        e = cache.entry
+        if e is None or not e.pos <= phys < e.end_pos:
+            index = self.index_of(phys)
+            st = self._storage
+            assert st is not None
+            got = st.entries(index, index + 1) if index is not None else []
+            if not got:
+                raise BodyMissing(f"no log entry holds physical offset {phys}")
+            e = cache.entry = got[0]
+        return _slice(e, phys, size)
+
+    def get(self, phys: int) -> bytes:
+        if phys < self._archive_end:
+            return super().get(phys)
+        return self._from_log(phys, None, _EntryCache())
+
+    def get_many(self, phys: Sequence[int], sizes: Sequence[int] | None = None) -> list[bytes]:
+        cache = _EntryCache()
+        out: list[bytes] = []
+        with self.reading():
+            for k, p in enumerate(phys):
+                size = sizes[k] if sizes is not None else None
+                if p < self._archive_end:
+                    rec = super().get(p)
+                    if size is not None and len(rec) != size:
+                        raise BodyMissing(f"the record at physical offset {p} has the wrong size")
+                    out.append(rec)
+                else:
+                    out.append(self._from_log(p, size, cache))
+        return out
+
+    def drop_entries_below(self, pos: int) -> None:
+        """The log was compacted to CommitLog position ``pos``: forget the
+        entries before it (the next checkpoint deletes their rows)."""
+        env, _, _ = self._open()
+        with env.begin() as txn:
+            cur = txn.cursor(db=self._pos_db)
+            if cur.first():
+                for key in cur.iternext(keys=True, values=False):
+                    if _KEY.unpack(key)[0] >= pos:
+                        break
+                    self._pos_deletes[bytes(key)] = None
+        rows = self._pos_rows
+        k = bisect.bisect_left(rows, (pos, -1))
+        if k:
+            # Not yet durable: their rows go with the next checkpoint anyway;
+            # record deletes so a staged put of them is undone too.
+            for p, _i in rows[:k]:
+                self._pos_deletes[_KEY.pack(p)] = None
+
     # -- checkpoints ------------------------------------------------------------
     def stage_checkpoint(self, blob: bytes) -> int:
         """Hand the changes so far and ``blob`` (the rest of the state as of
@@ -603,8 +789,19 @@ class DurableBodies(LmdbBodies):
         assert st is not None
         self.prune()
         recs, idx = dict(self._pending), dict(self._pending_idx)
-        seq = st.stage({_DB: dict(recs), _IDX_DB: dict(idx), _CKPT_DB: {_CKPT_KEY: blob}})
+        pos: dict[bytes, bytes | None] = {_KEY.pack(p): _KEY.pack(i) for p, i in self._pos_rows}
+        pos.update(self._pos_deletes)
+        self._pos_deletes = {}
+        seq = st.stage(
+            {
+                _DB: dict(recs),
+                _IDX_DB: dict(idx),
+                _POS_DB: pos,
+                _CKPT_DB: {_CKPT_KEY: blob},
+            }
+        )
         self._staged.append((seq, recs, idx))
+        self._pos_staged.append((seq, self._pos_done + len(self._pos_rows)))
         return seq
 
     def durable(self, seq: int) -> bool:
@@ -623,6 +820,12 @@ class DurableBodies(LmdbBodies):
                 for key, value in staged.items():
                     if key in pending and pending[key] is value:
                         del pending[key]
+        while self._pos_staged and self._pos_staged[0][0] <= done:
+            _, upto = self._pos_staged.pop(0)
+            n = upto - self._pos_done
+            if n > 0:
+                del self._pos_rows[:n]
+                self._pos_done = upto
 
     def load_checkpoint(self) -> bytes | None:
         """The last durable checkpoint blob, or None."""
@@ -641,7 +844,12 @@ class DurableBodies(LmdbBodies):
         self._pending.clear()
         self._pending_idx.clear()
         self._staged.clear()
-        st.side_clear(_CKPT_DB, _DB, _IDX_DB)
+        self._pos_rows.clear()
+        self._pos_staged.clear()
+        self._pos_deletes.clear()
+        self._pos_done = 0
+        self._archive_end = 0
+        st.side_clear(_CKPT_DB, _DB, _IDX_DB, _POS_DB)
 
     def replace_all(
         self,
@@ -650,17 +858,21 @@ class DurableBodies(LmdbBodies):
     ) -> None:
         """A restore: the old checkpoint goes with everything else (so a
         crash before the next checkpoint rebuilds rather than mixes), then
-        the records and entries are written in bulk transactions."""
+        the records (into the archive: their entries are not in this log)
+        and the index entries are written in bulk transactions."""
         st = self._storage
         assert st is not None
         self.discard()
         batch: list[tuple[bytes, bytes]] = []
+        end = 0
         for phys, rec in records:
             batch.append((_KEY.pack(phys), rec))
+            end = max(end, phys + len(rec))
             if len(batch) >= 65536:
                 st.side_put_now(_DB, batch)
                 batch = []
         st.side_put_now(_DB, batch)
+        self._archive_end = end
         batch = []
         for qid, lo, cols in index:
             for k, e in enumerate(zip(*cols, strict=True)):
@@ -671,13 +883,20 @@ class DurableBodies(LmdbBodies):
         st.side_put_now(_IDX_DB, batch)
 
     def freeze(self) -> Frozen:
-        env, recs, idx = self._open()
-        return _OverlayFrozen(env.begin(), recs, idx, dict(self._pending), dict(self._pending_idx))
+        env, _, _ = self._open()
+        return _OverlayFrozen(
+            env.begin(),
+            self,
+            dict(self._pending),
+            dict(self._pending_idx),
+            list(self._pos_rows),
+        )
 
     def close(self) -> None:
         self._pending.clear()
         self._pending_idx.clear()
         self._staged.clear()
+        self._pos_rows.clear()
         if self._rtxn is not None:
             self._rtxn.abort()
             self._rtxn = None

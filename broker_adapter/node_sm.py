@@ -160,3 +160,22 @@ class BrokerStateMachine(LogStateMachine):
         bodies = self.broker.bodies
         assert isinstance(bodies, DurableBodies)
         bodies.discard()
+
+    def compact_floor(self) -> int | None:
+        """The lowest log index the log must keep: the entry holding the
+        oldest retained record (records stay in their entries), or None when
+        no retained record lives in the log."""
+        bodies = self.broker.bodies
+        assert isinstance(bodies, DurableBodies)
+        floor: int | None = None
+        for phys in self.broker.head_positions():
+            index = bodies.index_of(phys)
+            if index is not None and (floor is None or index < floor):
+                floor = index
+        return floor
+
+    def log_compacted(self, front_pos: int) -> None:
+        """The log now starts at CommitLog position ``front_pos``."""
+        bodies = self.broker.bodies
+        assert isinstance(bodies, DurableBodies)
+        bodies.drop_entries_below(front_pos)

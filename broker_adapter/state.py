@@ -576,10 +576,14 @@ class BrokerState:
         now = self.now_ms
         base_pos = entry.pos
         queues = t.queues
-        put = self.bodies.put
-        index_put = self.bodies.index_put
+        bodies = self.bodies
+        index_put = bodies.index_put
+        log_backed = bodies.log_backed
+        put = bodies.put
         qoffs: list[int] = []
         add_qoff = qoffs.append
+        if log_backed:
+            bodies.put_entry(entry.index, base_pos)  # the records stay in the entry
         for off, size, q, th in heads:
             cq = queues[q]
             qoff = cq.hi
@@ -587,7 +591,8 @@ class BrokerState:
             phys = base_pos + off
             index_put(cq.qid, qoff, (phys, size, th, now))
             cq.hi = qoff + 1
-            put(phys, data[off : off + size])
+            if not log_backed:
+                put(phys, data[off : off + size])
         self.stored_bytes += pos - p.records_start  # the records are back to back
         self.stored_messages += len(heads)
         result = ProduceResult(p.topic, Acks.of_entry(self._id_prefix, base_pos, heads, qoffs), now)
@@ -707,6 +712,10 @@ class BrokerState:
 
     def _head_phys(self, cq: _Queue) -> int | None:
         return self.bodies.index_get(cq.qid, cq.lo)[0] if cq.lo < cq.hi else None
+
+    def head_positions(self) -> list[int]:
+        """The physical offset of every queue's oldest retained message."""
+        return [h for q in self._all_queues() if (h := self._head_phys(q)) is not None]
 
     def _first_at_or_after(self, cq: _Queue, ts: int) -> int:
         """The first retained queue offset stored at or after ``ts`` (store

@@ -1161,15 +1161,28 @@ class Node:
             return
         first = st.first_index()
         upto = min(c.upto, first + _COMPACT_STEP)
+        final = upto == c.upto
+        sm = self._durable_sm
+        if sm is not None:
+            # The state reads records from the log: keep every entry from
+            # the one holding the oldest retained record (retention, not
+            # snapshots, decides how far the log is dropped). The next
+            # snapshot tries again.
+            floor = sm.compact_floor()
+            if floor is not None and floor < upto:
+                upto, final = floor, True
         if upto <= first or c.upto - 1 > st.last_index():
             self._compact_to = None  # reset meanwhile (a snapshot from the leader)
             return
         if upto == c.upto:
             term, pos = c.term, c.pos
-            self._compact_to = None
         else:
             term, pos = st.term(upto - 1), st.entries(upto - 1, upto)[0].end_pos
+        if final:
+            self._compact_to = None
         st.compact(upto, term, pos)
+        if sm is not None:
+            sm.log_compacted(pos)
         await self.env.offload(self._sync_blocking, st)
         if self._compact_to is None:
             logger.info(

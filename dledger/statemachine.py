@@ -66,6 +66,12 @@ class DurableStateMachine(Protocol):
 
     def discard_checkpoint(self) -> None: ...
 
+    def compact_floor(self) -> int | None:
+        """The lowest log index the state still reads from (None: none)."""
+        ...
+
+    def log_compacted(self, front_pos: int) -> None: ...
+
 
 class SnapshotError(ValueError):
     """A state machine snapshot that cannot be restored (damaged or foreign)."""

@@ -146,7 +146,7 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import lmdb
 
@@ -1264,6 +1264,14 @@ class LmdbStorage:
         """The environment, for the owner's read transactions over its side
         databases (they see what the last committed ``sync()`` wrote)."""
         return self._env
+
+    def entry_in(self, txn: lmdb.Transaction[Any], index: int) -> Entry | None:
+        """Entry ``index`` as the read transaction ``txn`` (over :attr:`env`)
+        sees the durable log, CRC-checked (StorageCorrupted naming it), or
+        None when that transaction holds no record for it. Safe from any
+        thread: it touches nothing but ``txn``."""
+        value = txn.get(_KEY.pack(index), db=self._log_db)
+        return None if value is None else self._decode(value, index)
 
     def side_clear(self, *names: bytes) -> None:
         """Drop every record of the side databases ``names`` now, in one

@@ -48,6 +48,12 @@ class BrokerStateMachine(LogStateMachine):
         # must stay truthy (Node uses ``state_machine or LogStateMachine()``).
         return True
 
+    def _keep_payload(self, data: bytes) -> bool:
+        # Broker commands are the broker's to keep (a log-backed broker reads
+        # records from the log itself): only raw payloads go to the window,
+        # so snapshots and checkpoints do not carry recent messages twice.
+        return not (self.durable and is_command(data))
+
     def add_listener(self, fn: Callable[[], None]) -> None:
         self._listeners.append(fn)
 

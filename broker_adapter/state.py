@@ -83,12 +83,17 @@ DEFAULT_PRODUCER_IDLE_MS = 7 * 24 * 3600 * 1000
 SWEEP_INTERVAL_MS = 1000
 MAX_SCAN = 10_000  # entries a filtered read looks at before returning
 SNAPSHOT_MAGIC = b"BSNP"
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 1  # every retained record in the snapshot
+# The ConsumeQueue without records: a log-backed store's (records stay in the
+# log entries; an installing replica gets them by replication).
+SNAPSHOT_VERSION_INDEX_ONLY = 2
 CHECKPOINT_MAGIC = b"BCKP"
 _SNAP_HDR = struct.Struct(">4sBI")
 
 
-def _load_blob(data: bytes, magic: bytes, what: str) -> dict[object, object]:
+def _load_blob(
+    data: bytes, magic: bytes, what: str, versions: tuple[int, ...] = (SNAPSHOT_VERSION,)
+) -> dict[object, object]:
     """The value of a snapshot or checkpoint blob (header: magic, version,
     CRC32 of the rest); raises MalformedCommand."""
     if len(data) < _SNAP_HDR.size:
@@ -96,7 +101,7 @@ def _load_blob(data: bytes, magic: bytes, what: str) -> dict[object, object]:
     got, version, crc = _SNAP_HDR.unpack_from(data, 0)
     if got != magic:
         raise MalformedCommand(f"not a broker {what}")
-    if version != SNAPSHOT_VERSION:
+    if version not in versions:
         raise MalformedCommand(f"{what} version {version} is not supported")
     payload = data[_SNAP_HDR.size :]
     if zlib.crc32(payload) != crc:
@@ -1056,6 +1061,7 @@ class BrokerState:
         head: dict[str, object] = meta
 
         frozen = self.bodies.freeze()
+        with_records = not self.bodies.log_backed
 
         def value() -> dict[str, object]:
             try:
@@ -1064,8 +1070,10 @@ class BrokerState:
                     out = []
                     for qid, lo, hi in qs:
                         cols = frozen.columns(qid, lo, hi)
-                        recs = frozen.records(cols[0])
-                        out.append([lo, *(_u64_bytes(a) for a in cols), recs])
+                        row: list[object] = [lo, *(_u64_bytes(a) for a in cols)]
+                        if with_records:
+                            row.append(frozen.records(cols[0]))
+                        out.append(row)
                     topics[name] = [rr, out]
             finally:
                 frozen.close()
@@ -1098,6 +1106,7 @@ class BrokerState:
         call holds the GIL for long while the loop thread wants to run (one
         join of millions of parts held it for ~0.5 s per 350 MB)."""
         value = self._freeze()
+        version = SNAPSHOT_VERSION_INDEX_ONLY if self.bodies.log_backed else SNAPSHOT_VERSION
 
         def build() -> list[bytes]:
             parts: list[bytes] = []
@@ -1107,7 +1116,7 @@ class BrokerState:
             crc = 0
             for c in chunks:
                 crc = zlib.crc32(c, crc)  # releases the GIL on big buffers
-            return [_SNAP_HDR.pack(SNAPSHOT_MAGIC, SNAPSHOT_VERSION, crc), *chunks]
+            return [_SNAP_HDR.pack(SNAPSHOT_MAGIC, version, crc), *chunks]
 
         return build
 
@@ -1115,7 +1124,9 @@ class BrokerState:
     def restore(cls, data: bytes, bodies: Bodies | None = None) -> BrokerState:
         """The state a snapshot was taken from; raises MalformedCommand.
         ``bodies`` (emptied and refilled) holds the restored records."""
-        v = _load_blob(data, SNAPSHOT_MAGIC, "snapshot")
+        v = _load_blob(
+            data, SNAPSHOT_MAGIC, "snapshot", (SNAPSHOT_VERSION, SNAPSHOT_VERSION_INDEX_ONLY)
+        )
         try:
             return cls._from_value(v, bodies)
         except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -1183,13 +1194,20 @@ class BrokerState:
             rr, qs = lst(tv)
             queues = []
             for qv in lst(qs):
-                mn, phys, sizes, tags, ts, recs = lst(qv)
+                parts = lst(qv)
+                mn, phys, sizes, tags, ts = parts[:5]
                 cols = tuple(_from_bytes("q", b(x)) for x in (phys, sizes, tags, ts))
-                recs_l = [b(r) for r in lst(recs)]
-                if not all(len(c) == len(recs_l) for c in cols):
+                n = len(cols[0])
+                if not all(len(c) == n for c in cols):
                     raise ValueError("queue arrays of different lengths")
-                q = st._new_queue(i(mn), i(mn) + len(recs_l))
-                records.extend(zip(cols[0], recs_l, strict=True))
+                if len(parts) == 6:  # with the records
+                    recs_l = [b(r) for r in lst(parts[5])]
+                    if len(recs_l) != n:
+                        raise ValueError("queue arrays of different lengths")
+                    records.extend(zip(cols[0], recs_l, strict=True))
+                elif len(parts) != 5:
+                    raise ValueError("a queue of the wrong shape")
+                q = st._new_queue(i(mn), i(mn) + n)
                 index.append((q.qid, q.lo, cols))
                 queues.append(q)
             st._topics[s(name)] = _Topic(s(name), queues, i(rr))

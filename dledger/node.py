@@ -137,6 +137,7 @@ _OPS_PER_PASS = 1024
 # restart replays at most about this much of the log.
 _CHECKPOINT_INTERVAL_S = 1.0
 _CHECKPOINT_ENTRIES = 20_000
+_PENDING_SNAPSHOT_CHECK_S = 0.1
 
 # Node-level planted bug (simulator checker self-test; set through
 # RaftConfig.faults / NodeConfig.faults, never in production): a lease read is
@@ -297,6 +298,10 @@ class Node:
         self._ckpt_applied = 0
         self._ckpt_at_s = 0.0
         self._ckpt_seq: int | None = None
+        # A durable state machine's snapshot built but not yet handed to the
+        # core (see _snapshot_housekeeping), and when that was last checked.
+        self._pending_snap: tuple[Snapshot, str] | None = None
+        self._pending_checked_s = 0.0
         # Snapshot streams that ended, reported to the core after advance():
         # (peer, delivered).
         self._snap_reports: list[tuple[int, bool]] = []
@@ -456,6 +461,14 @@ class Node:
             sm.discard_checkpoint()  # whatever a crash mid-rebuild left
             return None
         return applied
+
+    def _floor(self, r: RawNode) -> int:
+        """The lowest log index a durable state machine still reads from
+        (past the applied index when it reads none)."""
+        sm = self._durable_sm
+        assert sm is not None
+        floor = sm.compact_floor()
+        return floor if floor is not None else r.log.applied + 1
 
     def _maybe_checkpoint(self) -> None:
         """Stage a checkpoint of a durable state machine into the next group
@@ -1064,6 +1077,7 @@ class Node:
         if self._durable_sm is not None:
             # The restored state goes into this Ready's commit with the snapshot.
             self._stage_checkpoint(self._clock())
+            self._pending_snap = None  # older than what the leader sent
         self._snap = snap
         self.counters["snapshots_installed"] += 1
         for idx in [i for i in self._pending if i <= meta.index]:
@@ -1118,6 +1132,14 @@ class Node:
         latest = r.latest_snapshot()
         if r.log.applied - (latest.index if latest is not None else 0) < every:
             return
+        if self._durable_sm is not None:
+            # The state reads its records from the log, so a snapshot only
+            # helps once the log can be compacted past the current one: that
+            # is retention's call (compact_floor). One waits at a time.
+            if self._pending_snap is not None:
+                return
+            if self._floor(r) - 1 <= (latest.index if latest is not None else 0):
+                return
         st = self._storage
         assert st is not None
         meta = r.snapshot_meta()
@@ -1142,9 +1164,24 @@ class Node:
         st = self._storage
         assert st is not None
         task = self._snap_task
+        ready: tuple[Snapshot, str] | None = None
         if task is not None and task.done():
             self._snap_task = None
-            snap, name = task.result()  # a failed write raises: the loop stops
+            ready = task.result()  # a failed write raises: the loop stops
+            if self._durable_sm is not None:
+                # Handed to the core only once retention has dropped every
+                # record in the entries it covers: the core's snapshot then
+                # sits at the front of the retained log, and a follower that
+                # installs it gets every retained record by replication.
+                self._pending_snap, ready = ready, None
+        pending = self._pending_snap
+        now = self._clock()
+        if pending is not None and now - self._pending_checked_s >= _PENDING_SNAPSHOT_CHECK_S:
+            self._pending_checked_s = now
+            if self._floor(r) > pending[0].meta.index:
+                self._pending_snap, ready = None, pending
+        if ready is not None:
+            snap, name = ready
             if st.record_snapshot(snap, name):
                 await self.env.offload(self._sync_blocking, st)
                 self._snap = snap

@@ -111,6 +111,11 @@ class LogStateMachine:
         self._recent: deque[tuple[int, int, bytes]] = deque(maxlen=recent_payloads)
         self._payload_bytes_max = payload_bytes_max
 
+    def _keep_payload(self, data: bytes) -> bool:
+        """Whether a payload goes into the recent window (a subclass that
+        keeps its own copy of some payloads can say no)."""
+        return True
+
     def apply(self, entry: Entry) -> object:
         if entry.index <= self.last_applied:
             raise AssertionError(
@@ -120,7 +125,7 @@ class LogStateMachine:
         if entry.type is not EntryType.NORMAL:
             return None
         crc = zlib.crc32(entry.data)
-        if len(entry.data) <= self._payload_bytes_max:
+        if len(entry.data) <= self._payload_bytes_max and self._keep_payload(entry.data):
             self._recent.append((entry.index, entry.term, entry.data))
         self._idx.append(entry.index)
         self._term.append(entry.term)

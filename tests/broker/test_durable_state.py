@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker_adapter import CommandKind, Message, encode_produce, encode_topic
+from broker_adapter import BrokerState, CommandKind, Message, encode_produce, encode_topic
 from broker_adapter.bodies import DurableBodies
 from broker_adapter.node_sm import BrokerStateMachine
 from dledger.core.types import Entry
@@ -28,6 +28,22 @@ def durable_sm(storage: LmdbStorage) -> BrokerStateMachine:
     sm = BrokerStateMachine(broker_name="test", bodies=DurableBodies())
     sm.attach_storage(storage)
     return sm
+
+
+def answers_without_records(s: BrokerState) -> Any:
+    return (s.stats(), [s.topic(n) for n in s.topic_names()], s.groups(), dict(s.epochs))
+
+
+def snapshot_at_end(storage: LmdbStorage, entries: list[Entry]) -> bytes:
+    """The snapshot of a second durable state fed every entry, in a
+    storage of its own."""
+    other = open_log(Path(storage.path + "-other"))
+    try:
+        sm = durable_sm(other)
+        feed(other, sm, entries)
+        return sm.broker.snapshot()
+    finally:
+        other.close()
 
 
 def open_log(path: Path) -> LmdbStorage:
@@ -106,11 +122,11 @@ def test_a_restart_takes_back_the_last_durable_checkpoint(
         assert applied == (entries[durable_at - 1].index if durable_at else 0)
         at, _ = replay(entries[:durable_at])
         assert answers(back.broker) == answers(at)
-        assert back.broker.snapshot() == at.snapshot()
         for e in entries[durable_at:]:
             back.apply(e)
         assert answers(back.broker) == answers(mem)
-        assert back.broker.snapshot() == mem.snapshot()
+        # the same state: equal snapshots (index only, both log-backed)
+        assert back.broker.snapshot() == snapshot_at_end(storage, entries)
         storage.close()
 
 
@@ -144,7 +160,8 @@ def test_changes_stay_in_memory_until_their_checkpoint_is_durable(tmp_path: Path
     frozen = sm.broker.snapshot_builder()  # with "late" still only in memory
     feed(storage, sm, [log.add(encode_produce("t", [Message(body=b"later", queue=1)], 5001))])
     again, _ = replay(log.entries[:-1])
-    assert again.snapshot() == frozen()
+    restored = BrokerState.restore(frozen())  # index only: records stay in the log
+    assert answers_without_records(restored) == answers_without_records(again)
     storage.close()
 
 

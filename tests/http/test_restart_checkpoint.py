@@ -132,11 +132,12 @@ async def test_the_log_is_compacted_only_past_the_oldest_retained_record(tmp_pat
         return await _state(c)
 
     node, before = await _run(cfg, fill)
-    assert node.counters["snapshots_taken"] >= 3
+    # Nothing was dropped by retention: a snapshot could not let the log go,
+    # so none is taken, and the log keeps every entry.
+    assert node.counters["snapshots_taken"] == 0
     st = node._storage
     assert st is not None
-    # entries 1 and 2 (the leader's no-op, the topic) hold no record; 3 holds m0
-    assert st.first_index() == 3, "a snapshot dropped entries that hold retained records"
+    assert st.first_index() == 1
     assert before[0][0][:2] == ["m0", "m2"]
 
     async def shrink(c: TestClient[Any, Any]) -> Any:
@@ -148,6 +149,7 @@ async def test_the_log_is_compacted_only_past_the_oldest_retained_record(tmp_pat
         return await _state(c)
 
     node, after = await _run(cfg, shrink)
+    assert node.counters["snapshots_taken"] >= 1
     st = node._storage
     assert st is not None
     kept = after[0][0] + after[0][1]

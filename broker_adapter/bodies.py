@@ -42,6 +42,7 @@ import lmdb
 
 from broker_adapter.errors import MalformedCommand
 from dledger.core.types import Entry
+from dledger.errors import Compacted
 
 _KEY = struct.Struct(">Q")
 _IKEY = struct.Struct(">IQ")  # queue id, queue offset
@@ -53,6 +54,13 @@ _IDX_DB = b"consumequeue"
 class BodyMissing(MalformedCommand):
     """The index names a record the store does not hold (a bug, or a store
     damaged outside the process): reported, never served as something else."""
+
+
+class RecordNotHere(BodyMissing):
+    """The index names a record that lives in no log entry this replica
+    holds: it installed a snapshot (index only) after the record was
+    written, and the record was dropped by retention since (the entry that
+    dropped it is still ahead of this replica). Not damage: catching up."""
 
 
 IndexEntry = tuple[int, int, int, int]  # physical offset, size, tag hash, store time
@@ -736,9 +744,12 @@ class DurableBodies(LmdbBodies):
             index = self.index_of(phys)
             st = self._storage
             assert st is not None
-            got = st.entries(index, index + 1) if index is not None else []
+            try:
+                got = st.entries(index, index + 1) if index is not None else []
+            except Compacted:
+                got = []
             if not got:
-                raise BodyMissing(f"no log entry holds physical offset {phys}")
+                raise RecordNotHere(f"no log entry here holds physical offset {phys}")
             e = cache.entry = got[0]
         return _slice(e, phys, size)
 

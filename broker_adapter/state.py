@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import overload
 
 from broker_adapter import codec
-from broker_adapter.bodies import Bodies, BodyMissing, MemoryBodies
+from broker_adapter.bodies import Bodies, BodyMissing, MemoryBodies, RecordNotHere
 from broker_adapter.codec import (
     Command,
     CommandKind,
@@ -76,7 +76,7 @@ from broker_adapter.errors import (
     UnknownTopic,
 )
 from dledger.core.types import Entry, EntryType
-from dledger.errors import InvariantViolation, StorageCorrupted
+from dledger.errors import CatchingUp, InvariantViolation, StorageCorrupted
 
 DEDUP_WINDOW = 5
 DEFAULT_PRODUCER_IDLE_MS = 7 * 24 * 3600 * 1000
@@ -903,6 +903,8 @@ class BrokerState:
                     phys, sizes, stamps = phys[:take], sizes[:take], stamps[:take]
             try:
                 raw = self.bodies.get_many(phys, sizes)
+            except RecordNotHere as exc:
+                raise CatchingUp(f"{topic}/{queue}@{offset}..: {exc}") from None
             except BodyMissing as exc:
                 raise StorageCorrupted(f"{topic}/{queue}@{offset}..: {exc}") from None
         try:
@@ -930,6 +932,11 @@ class BrokerState:
     ) -> StoredMessage:
         try:
             rec = codec.decode_record(self.bodies.get(phys))
+        except RecordNotHere as exc:
+            raise CatchingUp(
+                f"message {topic}/{queue}@{off} (physical offset {phys}) is not stored on this "
+                f"replica: it installed a snapshot since and is catching up ({exc})"
+            ) from None
         except MalformedCommand as exc:
             # The index names it, so it was applied whole: the record store
             # is damaged. Reported (503 at the API), never served.

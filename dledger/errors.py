@@ -45,6 +45,14 @@ class Unavailable(DLedgerError):
     code = "UNAVAILABLE"
 
 
+class CatchingUp(Unavailable):
+    """This replica installed a snapshot after the record was written and
+    has not yet applied the entry that dropped it from the cluster (the
+    record is in no entry it holds). 503: ask another replica, or again."""
+
+    code = "CATCHING_UP"
+
+
 class Compacted(DLedgerError):
     """The requested log index was removed by front truncation."""
 

@@ -226,3 +226,30 @@ def test_lmdb_is_what_the_tests_think(tmp_path: Path) -> None:
     storage = LmdbStorage(tmp_path / "log")
     assert isinstance(storage.env, lmdb.Environment)
     storage.close()
+
+
+def test_a_record_not_in_this_replicas_log_is_catching_up_not_damage(tmp_path: Path) -> None:
+    """An index-only snapshot installed on a replica whose log starts after
+    it: the index names records in entries it never held. A read of one is
+    503 CATCHING_UP (ask again or elsewhere), never a record and never
+    reported as damage."""
+    from dledger.errors import CatchingUp
+    from http_api.errors import status_of
+
+    leader_log = open_log(tmp_path / "leader")
+    leader = durable_sm(leader_log)
+    log = _produce_log(6)
+    feed(leader_log, leader, log.entries)
+    snap = leader.snapshot()
+    assert b"m3" not in snap  # index only: the records stay in the log
+    storage = open_log(tmp_path / "follower")
+    follower = durable_sm(storage)
+    follower.restore(snap)
+    assert follower.broker.topic("t").queues[1].max_offset == 3
+    with pytest.raises(CatchingUp) as exc:
+        follower.broker.read("t", 1, 0)
+    assert status_of(exc.value) == 503 and exc.value.code == "CATCHING_UP"
+    with pytest.raises(CatchingUp):
+        follower.broker.read_columns("t", 1, 0)
+    leader_log.close()
+    storage.close()

@@ -33,6 +33,7 @@ import itertools
 import os
 import shutil
 import struct
+import zlib
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -54,6 +55,10 @@ _IDX_DB = b"consumequeue"
 class BodyMissing(MalformedCommand):
     """The index names a record the store does not hold (a bug, or a store
     damaged outside the process): reported, never served as something else."""
+
+
+class IndexDamaged(BodyMissing):
+    """A ConsumeQueue entry failed its CRC: reported (503), never followed."""
 
 
 class RecordNotHere(BodyMissing):
@@ -553,6 +558,26 @@ class SideStorage(Protocol):
 _CKPT_DB = b"broker"
 _CKPT_KEY = b"checkpoint"
 _POS_DB = b"entrypos"  # CommitLog position of a produce entry -> its log index
+_ICRC = struct.Struct(">I")
+_SEALED_IVAL = _IVAL.size + _ICRC.size
+
+
+def _seal_ival(key: bytes, entry: IndexEntry) -> bytes:
+    """An index value with a CRC32 over key and value: a flipped bit in the
+    ConsumeQueue would otherwise point a read at another message's bytes."""
+    v = _IVAL.pack(*entry)
+    return v + _ICRC.pack(zlib.crc32(v, zlib.crc32(key)))
+
+
+def _unseal_ival(key: bytes, value: bytes | memoryview) -> IndexEntry:
+    raw = bytes(value)
+    if len(raw) != _SEALED_IVAL or _ICRC.unpack_from(raw, _IVAL.size)[0] != zlib.crc32(
+        raw[: _IVAL.size], zlib.crc32(key)
+    ):
+        qid, off = _IKEY.unpack(key)
+        raise IndexDamaged(f"the index entry of queue {qid} offset {off} fails its CRC")
+    p, size, tag, ts = _IVAL.unpack_from(raw, 0)
+    return p, size, tag, ts
 
 
 class _EntryCache:
@@ -630,7 +655,7 @@ class _OverlayFrozen(_LmdbFrozen):
             value = self._over_idx[key] if key in self._over_idx else get(key, db=self._idx)
             if value is None:
                 raise BodyMissing(f"index of queue {qid} lacks offset {off} (wanted {lo}..{hi})")
-            for c, v in zip(cols, _IVAL.unpack(value), strict=True):
+            for c, v in zip(cols, _unseal_ival(key, value), strict=True):
                 c.append(v)
         return cols
 
@@ -702,6 +727,31 @@ class DurableBodies(LmdbBodies):
 
     def put(self, phys: int, rec: bytes) -> None:
         raise TypeError("records stay in the log: put_entry, not put")
+
+    # -- the ConsumeQueue, CRC-checked ------------------------------------------
+    def index_put(self, qid: int, off: int, entry: IndexEntry) -> None:
+        key = _IKEY.pack(qid, off)
+        self._pending_idx[key] = _seal_ival(key, entry)
+
+    def index_get(self, qid: int, off: int) -> IndexEntry:
+        key = _IKEY.pack(qid, off)
+        value = self._read(key, self._pending_idx, 1)
+        if value is None:
+            raise BodyMissing(f"no index entry for queue {qid} offset {off}")
+        return _unseal_ival(key, value)
+
+    def index_many(self, qid: int, lo: int, hi: int) -> list[IndexEntry]:
+        if hi <= lo:
+            return []
+        keys = [_IKEY.pack(qid, off) for off in range(lo, hi)]
+        vals: list[bytes] | list[bytes | None] | None = None
+        if not (self._pending_idx and keys[-1] in self._pending_idx):
+            vals = self._scan(1, keys[0], keys[-1], hi - lo)
+        if vals is None:
+            vals = self._read_many(keys, self._pending_idx, 1)
+            if None in vals:
+                raise BodyMissing(f"no index entry for queue {qid} offset {lo + vals.index(None)}")
+        return [_unseal_ival(k, v) for k, v in zip(keys, vals, strict=True)]  # type: ignore[arg-type]
 
     def delete(self, phys: int) -> None:
         if phys < self._archive_end:
@@ -887,7 +937,8 @@ class DurableBodies(LmdbBodies):
         batch = []
         for qid, lo, cols in index:
             for k, e in enumerate(zip(*cols, strict=True)):
-                batch.append((_IKEY.pack(qid, lo + k), _IVAL.pack(*e)))
+                key = _IKEY.pack(qid, lo + k)
+                batch.append((key, _seal_ival(key, (e[0], e[1], e[2], e[3]))))
                 if len(batch) >= 65536:
                     st.side_put_now(_IDX_DB, batch)
                     batch = []

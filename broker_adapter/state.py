@@ -410,6 +410,13 @@ class BrokerState:
                     self.now_ms = cmd.ts_ms
                 self._maybe_sweep()
                 result = self._dispatch(cmd, entry)
+            except BodyMissing as exc:
+                # The store lost or damaged what this replica applied before:
+                # refusing the command here alone would make this replica
+                # diverge from the others. Stop instead (rebuild it).
+                raise StorageCorrupted(
+                    f"entry {entry.index} cannot apply on this replica's store: {exc}"
+                ) from None
             except BrokerError as exc:
                 result = exc
             except (struct.error, UnicodeDecodeError) as exc:
@@ -836,7 +843,10 @@ class BrokerState:
         index_get = self.bodies.index_get
         with self.bodies.reading():
             while k < end and len(out) < max_messages and scanned < MAX_SCAN:
-                phys, size, th, ts = index_get(cq.qid, k)
+                try:
+                    phys, size, th, ts = index_get(cq.qid, k)
+                except BodyMissing as exc:
+                    raise StorageCorrupted(f"{topic}/{queue}@{k}: {exc}") from None
                 if out and used + size > max_bytes:
                     break
                 scanned += 1

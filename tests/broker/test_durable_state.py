@@ -5,6 +5,7 @@ so a restart replays only the tail."""
 
 from __future__ import annotations
 
+import struct
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker_adapter import BrokerState, CommandKind, Message, encode_produce, encode_topic
+from broker_adapter import (
+    BrokerState,
+    CommandKind,
+    Message,
+    encode_produce,
+    encode_retention,
+    encode_topic,
+)
 from broker_adapter.bodies import DurableBodies
 from broker_adapter.node_sm import BrokerStateMachine
 from dledger.core.types import Entry
@@ -252,4 +260,38 @@ def test_a_record_not_in_this_replicas_log_is_catching_up_not_damage(tmp_path: P
     with pytest.raises(CatchingUp):
         follower.broker.read_columns("t", 1, 0)
     leader_log.close()
+    storage.close()
+
+
+def test_a_damaged_index_entry_is_reported_never_followed(tmp_path: Path) -> None:
+    """One flipped bit in a ConsumeQueue entry (here: its physical offset,
+    by exactly one record's length, so it would point at the neighbouring
+    message) fails the entry's CRC: a read is 503 naming topic/queue@offset,
+    and an apply that needs it stops the replica instead of diverging."""
+    from dledger.errors import StorageCorrupted
+    from http_api.errors import status_of
+
+    storage = open_log(tmp_path / "log")
+    sm = durable_sm(storage)
+    log = _produce_log(8)
+    feed(storage, sm, log.entries)
+    seq = sm.checkpoint()
+    storage.sync()
+    assert sm.checkpoint_durable(seq)  # the overlay forgets: reads go to LMDB
+    db = storage.side_db(b"consumequeue")
+    qid = sm.broker._topics["t"].queues[1].qid
+    key = struct.pack(">IQ", qid, 2)
+    with storage.env.begin(write=True) as txn:
+        raw = txn.get(key, db=db)
+        assert raw is not None
+        phys, size = struct.unpack_from(">qi", raw)
+        txn.put(key, struct.pack(">q", phys + size) + raw[8:], db=db)
+    with pytest.raises(StorageCorrupted) as exc:
+        sm.broker.read("t", 1, 0)
+    assert "t/1@2" in str(exc.value) and status_of(exc.value) == 503
+    with pytest.raises(StorageCorrupted):
+        sm.broker.read_columns("t", 1, 0)
+    # retention dropping that entry on this replica: stop, do not diverge
+    with pytest.raises(StorageCorrupted):
+        feed(storage, sm, [log.add(encode_retention(9000, 1, 0))])
     storage.close()

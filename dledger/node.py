@@ -785,6 +785,9 @@ class Node:
                 "term": self._snap.meta.term if self._snap is not None else 0,
                 "bytes": len(self._snap.data) if self._snap is not None else 0,
                 "restored_from": self.restored_from_snapshot,
+                # a state machine kept in the storage: the checkpoint it came
+                # back from at start (0: none; it came from the snapshot)
+                "restored_from_checkpoint": self.restored_from_checkpoint,
                 "every_entries": cfg.snapshot_every_entries,
                 "trailing_entries": cfg.snapshot_trailing_entries,
                 "taken": self.counters["snapshots_taken"],

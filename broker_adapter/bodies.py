@@ -562,22 +562,153 @@ _ICRC = struct.Struct(">I")
 _SEALED_IVAL = _IVAL.size + _ICRC.size
 
 
-def _seal_ival(key: bytes, entry: IndexEntry) -> bytes:
-    """An index value with a CRC32 over key and value: a flipped bit in the
-    ConsumeQueue would otherwise point a read at another message's bytes."""
-    v = _IVAL.pack(*entry)
-    return v + _ICRC.pack(zlib.crc32(v, zlib.crc32(key)))
+_BLOCK_DB = b"cqblocks"  # (queue id, block number) -> index entries + CRC
+# Index entries per block: 680 x 24 bytes + a CRC fill four LMDB overflow
+# pages (16,384 bytes less the page header) with nothing to spare, so a
+# retained message costs 24 bytes of index on disk.
+BLOCK_UNITS = 680
+_UNIT = _IVAL.size
+_BKEY = struct.Struct(">IQ")
 
 
-def _unseal_ival(key: bytes, value: bytes | memoryview) -> IndexEntry:
-    raw = bytes(value)
-    if len(raw) != _SEALED_IVAL or _ICRC.unpack_from(raw, _IVAL.size)[0] != zlib.crc32(
-        raw[: _IVAL.size], zlib.crc32(key)
-    ):
-        qid, off = _IKEY.unpack(key)
-        raise IndexDamaged(f"the index entry of queue {qid} offset {off} fails its CRC")
-    p, size, tag, ts = _IVAL.unpack_from(raw, 0)
-    return p, size, tag, ts
+class _BlockIndex:
+    """The ConsumeQueue in blocks of :data:`BLOCK_UNITS` entries per LMDB
+    value, each block CRC-checked as a whole (one flipped bit anywhere in it
+    is :class:`IndexDamaged`, never a read of the wrong message).
+
+    Changed blocks live in :attr:`over` (read through) until a checkpoint
+    stages them; durable blocks read back are kept in a small cache (their
+    CRC checked once). A block is dropped when retention has passed its
+    last entry; entries before a queue's min offset inside a kept block are
+    simply never read."""
+
+    def __init__(self, owner: DurableBodies) -> None:
+        self._owner = owner
+        self.over: dict[bytes, bytearray | None] = {}
+        self._cache: dict[bytes, bytes] = {}
+
+    @staticmethod
+    def key(qid: int, off: int) -> tuple[bytes, int]:
+        b, i = divmod(off, BLOCK_UNITS)
+        return _BKEY.pack(qid, b), i
+
+    @staticmethod
+    def seal(key: bytes, content: bytes | bytearray) -> bytes:
+        return bytes(content) + _ICRC.pack(zlib.crc32(content, zlib.crc32(key)))
+
+    @staticmethod
+    def unseal(key: bytes, value: bytes | memoryview) -> bytes:
+        raw = bytes(value)
+        body = raw[: -_ICRC.size]
+        if (
+            len(raw) < _ICRC.size
+            or len(body) % _UNIT
+            or _ICRC.unpack_from(raw, len(body))[0] != zlib.crc32(body, zlib.crc32(key))
+        ):
+            qid, b = _BKEY.unpack(key)
+            raise IndexDamaged(
+                f"the index block of queue {qid} offsets {b * BLOCK_UNITS}.."
+                f"{(b + 1) * BLOCK_UNITS - 1} fails its CRC"
+            )
+        return body
+
+    def _durable(self, key: bytes) -> bytes | None:
+        got = self._cache.get(key)
+        if got is not None:
+            return got
+        env, _, idx = self._owner._open()
+        txn = self._owner._rtxn if self._owner._rtxn is not None else env.begin()
+        try:
+            value = txn.get(key, db=idx)
+        finally:
+            if txn is not self._owner._rtxn:
+                txn.abort()
+        if value is None:
+            return None
+        body = self.unseal(key, value)
+        if len(self._cache) >= 256:
+            self._cache.pop(next(iter(self._cache)))
+        self._cache[key] = body
+        return body
+
+    def _block(self, key: bytes) -> bytes | bytearray | None:
+        if key in self.over:
+            return self.over[key]
+        return self._durable(key)
+
+    def put(self, qid: int, off: int, entry: IndexEntry) -> None:
+        key, i = self.key(qid, off)
+        blk = self.over.get(key)
+        if blk is None:
+            old = None if key in self.over else self._durable(key)
+            blk = self.over[key] = bytearray(old or b"")
+        at = i * _UNIT
+        if len(blk) < at:
+            blk.extend(bytes(at - len(blk)))  # a gap: never read (below min or a restore)
+        blk[at : at + _UNIT] = _IVAL.pack(*entry)
+
+    def get(self, qid: int, off: int) -> IndexEntry:
+        key, i = self.key(qid, off)
+        blk = self._block(key)
+        at = i * _UNIT
+        if blk is None or len(blk) < at + _UNIT:
+            raise BodyMissing(f"no index entry for queue {qid} offset {off}")
+        p, size, tag, ts = _IVAL.unpack_from(blk, at)
+        return p, size, tag, ts
+
+    def many(self, qid: int, lo: int, hi: int) -> list[IndexEntry]:
+        out: list[IndexEntry] = []
+        off = lo
+        while off < hi:
+            key, i = self.key(qid, off)
+            n = min(hi - off, BLOCK_UNITS - i)
+            blk = self._block(key)
+            if blk is None or len(blk) < (i + n) * _UNIT:
+                raise BodyMissing(f"no index entry for queue {qid} offset {off}")
+            out.extend(_IVAL.iter_unpack(bytes(blk[i * _UNIT : (i + n) * _UNIT])))
+            off += n
+        return out
+
+    def delete(self, qid: int, lo: int, hi: int) -> None:
+        """Entries [lo, hi) are gone, and (retention drops from the head)
+        so is everything before ``lo``: drop each block that no longer holds
+        a live entry, i.e. that ends within (lo, hi], or that starts at or
+        after ``lo`` and holds nothing past ``hi`` (a deleted topic)."""
+        if hi <= lo:
+            return
+        for b in range(lo // BLOCK_UNITS, -(-hi // BLOCK_UNITS)):
+            key = _BKEY.pack(qid, b)
+            end = (b + 1) * BLOCK_UNITS
+            if end > hi:
+                if b * BLOCK_UNITS < lo:
+                    continue
+                blk = self._block(key)
+                if blk is not None and b * BLOCK_UNITS + len(blk) // _UNIT > hi:
+                    continue
+            self.over[key] = None
+            self._cache.pop(key, None)
+
+    def staged(self) -> dict[bytes, bytes | None]:
+        return {k: (None if v is None else self.seal(k, v)) for k, v in self.over.items()}
+
+    def prune(self, staged: dict[bytes, bytes | None]) -> None:
+        for key, value in staged.items():
+            if key not in self.over:
+                continue
+            cur = self.over[key]
+            if value is None and cur is None:
+                del self.over[key]
+                self._cache.pop(key, None)
+            elif value is not None and cur is not None and self.seal(key, cur) == value:
+                del self.over[key]
+                self._cache[key] = value[: -_ICRC.size]
+
+    def frozen(self) -> dict[bytes, bytes | None]:
+        return {k: (None if v is None else bytes(v)) for k, v in self.over.items()}
+
+    def clear(self) -> None:
+        self.over.clear()
+        self._cache.clear()
 
 
 class _EntryCache:
@@ -649,14 +780,21 @@ class _OverlayFrozen(_LmdbFrozen):
 
     def columns(self, qid: int, lo: int, hi: int) -> tuple[array[int], ...]:
         cols = (array("q"), array("q"), array("q"), array("q"))
-        get = self._txn.get
-        for off in range(lo, hi):
-            key = _IKEY.pack(qid, off)
-            value = self._over_idx[key] if key in self._over_idx else get(key, db=self._idx)
-            if value is None:
+        off = lo
+        while off < hi:
+            key, i = _BlockIndex.key(qid, off)
+            n = min(hi - off, BLOCK_UNITS - i)
+            if key in self._over_idx:
+                blk: bytes | None = self._over_idx[key]
+            else:
+                value = self._txn.get(key, db=self._idx)
+                blk = None if value is None else _BlockIndex.unseal(key, value)
+            if blk is None or len(blk) < (i + n) * _UNIT:
                 raise BodyMissing(f"index of queue {qid} lacks offset {off} (wanted {lo}..{hi})")
-            for c, v in zip(cols, _unseal_ival(key, value), strict=True):
-                c.append(v)
+            for row in _IVAL.iter_unpack(blk[i * _UNIT : (i + n) * _UNIT]):
+                for c, v in zip(cols, row, strict=True):
+                    c.append(v)
+            off += n
         return cols
 
 
@@ -696,11 +834,13 @@ class DurableBodies(LmdbBodies):
         self._pos_deletes: dict[bytes, bytes | None] = {}
         self._archive_end = 0
         self._pos_db: lmdb._Database | None = None
+        self._cq = _BlockIndex(self)
+        self._cq_staged: list[tuple[int, dict[bytes, bytes | None]]] = []
 
     def attach(self, storage: SideStorage) -> None:
         """Bind to the node's open storage (before any other call)."""
         self._storage = storage
-        self._dbs = (storage.side_db(_DB), storage.side_db(_IDX_DB))
+        self._dbs = (storage.side_db(_DB), storage.side_db(_BLOCK_DB))
         storage.side_db(_CKPT_DB)
         self._pos_db = storage.side_db(_POS_DB)
         self._env_ = storage.env
@@ -728,35 +868,18 @@ class DurableBodies(LmdbBodies):
     def put(self, phys: int, rec: bytes) -> None:
         raise TypeError("records stay in the log: put_entry, not put")
 
-    # -- the ConsumeQueue, CRC-checked ------------------------------------------
+    # -- the ConsumeQueue: CRC-checked blocks ------------------------------------
     def index_put(self, qid: int, off: int, entry: IndexEntry) -> None:
-        key = _IKEY.pack(qid, off)
-        self._pending_idx[key] = _seal_ival(key, entry)
+        self._cq.put(qid, off, entry)
 
     def index_get(self, qid: int, off: int) -> IndexEntry:
-        key = _IKEY.pack(qid, off)
-        value = self._read(key, self._pending_idx, 1)
-        if value is None:
-            raise BodyMissing(f"no index entry for queue {qid} offset {off}")
-        return _unseal_ival(key, value)
+        return self._cq.get(qid, off)
 
     def index_many(self, qid: int, lo: int, hi: int) -> list[IndexEntry]:
-        if hi <= lo:
-            return []
-        keys = [_IKEY.pack(qid, off) for off in range(lo, hi)]
-        vals: list[bytes] | list[bytes | None] | None = None
-        if not (self._pending_idx and keys[-1] in self._pending_idx):
-            vals = self._scan(1, keys[0], keys[-1], hi - lo)
-        if vals is None:
-            vals = self._read_many(keys, self._pending_idx, 1)
-            if None in vals:
-                raise BodyMissing(f"no index entry for queue {qid} offset {lo + vals.index(None)}")
-        return [_unseal_ival(k, v) for k, v in zip(keys, vals, strict=True)]  # type: ignore[arg-type]
+        return self._cq.many(qid, lo, hi)
 
-    def delete(self, phys: int) -> None:
-        if phys < self._archive_end:
-            self._pending[_KEY.pack(phys)] = None
-        # a record in a log entry goes when the log is compacted past it
+    def index_delete(self, qid: int, lo: int, hi: int) -> None:
+        self._cq.delete(qid, lo, hi)
 
     def _index_of(
         self, phys: int, txn: lmdb.Transaction, rows: list[tuple[int, int]]
@@ -849,19 +972,20 @@ class DurableBodies(LmdbBodies):
         st = self._storage
         assert st is not None
         self.prune()
-        recs, idx = dict(self._pending), dict(self._pending_idx)
+        recs, idx = dict(self._pending), self._cq.staged()
         pos: dict[bytes, bytes | None] = {_KEY.pack(p): _KEY.pack(i) for p, i in self._pos_rows}
         pos.update(self._pos_deletes)
         self._pos_deletes = {}
         seq = st.stage(
             {
                 _DB: dict(recs),
-                _IDX_DB: dict(idx),
+                _BLOCK_DB: idx,
                 _POS_DB: pos,
                 _CKPT_DB: {_CKPT_KEY: blob},
             }
         )
-        self._staged.append((seq, recs, idx))
+        self._staged.append((seq, recs, {}))
+        self._cq_staged.append((seq, idx))
         self._pos_staged.append((seq, self._pos_done + len(self._pos_rows)))
         return seq
 
@@ -881,6 +1005,8 @@ class DurableBodies(LmdbBodies):
                 for key, value in staged.items():
                     if key in pending and pending[key] is value:
                         del pending[key]
+        while self._cq_staged and self._cq_staged[0][0] <= done:
+            self._cq.prune(self._cq_staged.pop(0)[1])
         while self._pos_staged and self._pos_staged[0][0] <= done:
             _, upto = self._pos_staged.pop(0)
             n = upto - self._pos_done
@@ -910,7 +1036,9 @@ class DurableBodies(LmdbBodies):
         self._pos_deletes.clear()
         self._pos_done = 0
         self._archive_end = 0
-        st.side_clear(_CKPT_DB, _DB, _IDX_DB, _POS_DB)
+        self._cq.clear()
+        self._cq_staged.clear()
+        st.side_clear(_CKPT_DB, _DB, _BLOCK_DB, _POS_DB)
 
     def replace_all(
         self,
@@ -934,15 +1062,20 @@ class DurableBodies(LmdbBodies):
                 batch = []
         st.side_put_now(_DB, batch)
         self._archive_end = end
-        batch = []
+
+        def flush() -> None:
+            blocks = [
+                (k, _BlockIndex.seal(k, v)) for k, v in self._cq.over.items() if v is not None
+            ]
+            self._cq.clear()  # a block flushed half-filled is read back to go on
+            st.side_put_now(_BLOCK_DB, blocks)
+
         for qid, lo, cols in index:
             for k, e in enumerate(zip(*cols, strict=True)):
-                key = _IKEY.pack(qid, lo + k)
-                batch.append((key, _seal_ival(key, (e[0], e[1], e[2], e[3]))))
-                if len(batch) >= 65536:
-                    st.side_put_now(_IDX_DB, batch)
-                    batch = []
-        st.side_put_now(_IDX_DB, batch)
+                self._cq.put(qid, lo + k, (e[0], e[1], e[2], e[3]))
+                if len(self._cq.over) >= 64:
+                    flush()
+        flush()
 
     def freeze(self) -> Frozen:
         env, _, _ = self._open()
@@ -950,7 +1083,7 @@ class DurableBodies(LmdbBodies):
             env.begin(),
             self,
             dict(self._pending),
-            dict(self._pending_idx),
+            self._cq.frozen(),
             list(self._pos_rows),
         )
 
@@ -959,6 +1092,7 @@ class DurableBodies(LmdbBodies):
         self._pending_idx.clear()
         self._staged.clear()
         self._pos_rows.clear()
+        self._cq.clear()
         if self._rtxn is not None:
             self._rtxn.abort()
             self._rtxn = None

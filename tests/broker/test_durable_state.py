@@ -154,7 +154,7 @@ def test_changes_stay_in_memory_until_their_checkpoint_is_durable(tmp_path: Path
     bodies = sm.broker.bodies
     assert isinstance(bodies, DurableBodies)
     assert not bodies._pending  # the records are in the log entries
-    assert len(bodies._pending_idx) == 20  # index entries, read through from memory
+    assert len(bodies._cq.over) == 2  # the index blocks of both queues, read through from memory
     assert len(bodies._pos_rows) == 20
     assert sm.broker.read("t", 0, 0, 100).messages[0].body == b"m0"
     seq = sm.checkpoint()
@@ -162,7 +162,7 @@ def test_changes_stay_in_memory_until_their_checkpoint_is_durable(tmp_path: Path
     assert sm.broker.read("t", 1, 0, 100).messages[-1].body == b"m19"
     storage.sync()
     assert sm.checkpoint_durable(seq)
-    assert not bodies._pending_idx and not bodies._pos_rows  # all on disk now
+    assert not bodies._cq.over and not bodies._pos_rows  # all on disk now
     assert sm.broker.read("t", 1, 0, 100).messages[-1].body == b"m19"  # from LMDB
     feed(storage, sm, [log.add(encode_produce("t", [Message(body=b"late", queue=0)], 5000))])
     frozen = sm.broker.snapshot_builder()  # with "late" still only in memory
@@ -278,17 +278,22 @@ def test_a_damaged_index_entry_is_reported_never_followed(tmp_path: Path) -> Non
     seq = sm.checkpoint()
     storage.sync()
     assert sm.checkpoint_durable(seq)  # the overlay forgets: reads go to LMDB
-    db = storage.side_db(b"consumequeue")
+    db = storage.side_db(b"cqblocks")
     qid = sm.broker._topics["t"].queues[1].qid
-    key = struct.pack(">IQ", qid, 2)
+    key = struct.pack(">IQ", qid, 0)  # offsets 0..679 of queue 1
     with storage.env.begin(write=True) as txn:
         raw = txn.get(key, db=db)
         assert raw is not None
-        phys, size = struct.unpack_from(">qi", raw)
-        txn.put(key, struct.pack(">q", phys + size) + raw[8:], db=db)
+        unit = 24  # offset 2's entry: move its physical offset by one record
+        phys, size = struct.unpack_from(">qi", raw, 2 * unit)
+        raw = raw[: 2 * unit] + struct.pack(">q", phys + size) + raw[2 * unit + 8 :]
+        txn.put(key, raw, db=db)
+    bodies = sm.broker.bodies
+    assert isinstance(bodies, DurableBodies)
+    bodies._cq._cache.clear()  # what a restart would read
     with pytest.raises(StorageCorrupted) as exc:
         sm.broker.read("t", 1, 0)
-    assert "t/1@2" in str(exc.value) and status_of(exc.value) == 503
+    assert "t/1@0" in str(exc.value) and status_of(exc.value) == 503
     with pytest.raises(StorageCorrupted):
         sm.broker.read_columns("t", 1, 0)
     # retention dropping that entry on this replica: stop, do not diverge

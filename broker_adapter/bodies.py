@@ -753,6 +753,7 @@ class _OverlayFrozen(_LmdbFrozen):
         self._owner = owner
         self._over, self._over_idx = over, over_idx
         self._pos_rows = pos_rows
+        self._pos_deletes = dict(owner._pos_deletes)
         self._archive_end = owner._archive_end
 
     def records(self, phys: Sequence[int]) -> list[bytes]:
@@ -770,10 +771,12 @@ class _OverlayFrozen(_LmdbFrozen):
                 continue
             e = cache.entry
             if e is None or not e.pos <= p < e.end_pos:
-                index = self._owner._index_of(p, self._txn, self._pos_rows)
+                index = self._owner._index_of(p, self._txn, self._pos_rows, self._pos_deletes)
                 e = st.entry_in(self._txn, index) if index is not None else None
                 if e is None:
-                    raise BodyMissing(f"no log entry holds physical offset {p}")
+                    raise RecordNotHere(f"no log entry here holds physical offset {p}")
+                if not e.pos <= p < e.end_pos:
+                    raise IndexDamaged(f"the entry map names entry {e.index} for offset {p}")
                 cache.entry = e
             out.append(_slice(e, p, None))
         return out
@@ -882,7 +885,11 @@ class DurableBodies(LmdbBodies):
         self._cq.delete(qid, lo, hi)
 
     def _index_of(
-        self, phys: int, txn: lmdb.Transaction, rows: list[tuple[int, int]]
+        self,
+        phys: int,
+        txn: lmdb.Transaction,
+        rows: list[tuple[int, int]],
+        deletes: dict[bytes, bytes | None] | None = None,
     ) -> int | None:
         if rows and phys >= rows[0][0]:
             k = bisect.bisect_right(rows, (phys, 1 << 63)) - 1
@@ -894,7 +901,7 @@ class DurableBodies(LmdbBodies):
         elif not cur.last():
             return None
         key = cur.key()
-        if key in self._pos_deletes:
+        if key in (self._pos_deletes if deletes is None else deletes):
             return None
         return int(_KEY.unpack(cur.value())[0])
 
@@ -924,6 +931,12 @@ class DurableBodies(LmdbBodies):
             if not got:
                 raise RecordNotHere(f"no log entry here holds physical offset {phys}")
             e = cache.entry = got[0]
+            if not e.pos <= phys < e.end_pos:
+                # the position map named the wrong entry: damage, not a read
+                raise IndexDamaged(
+                    f"the entry map names entry {e.index} [{e.pos}, {e.end_pos}) "
+                    f"for physical offset {phys}"
+                )
         return _slice(e, phys, size)
 
     def get(self, phys: int) -> bytes:

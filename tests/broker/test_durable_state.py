@@ -300,3 +300,29 @@ def test_a_damaged_index_entry_is_reported_never_followed(tmp_path: Path) -> Non
     with pytest.raises(StorageCorrupted):
         feed(storage, sm, [log.add(encode_retention(9000, 1, 0))])
     storage.close()
+
+
+def test_a_damaged_entry_map_is_reported_never_followed(tmp_path: Path) -> None:
+    """A flipped bit in the map from CommitLog positions to log entries
+    names the wrong entry: the read sees that the entry does not hold the
+    position and reports damage (503), never slicing another entry."""
+    from dledger.errors import StorageCorrupted
+
+    storage = open_log(tmp_path / "log")
+    sm = durable_sm(storage)
+    log = _produce_log(6)
+    feed(storage, sm, log.entries)
+    seq = sm.checkpoint()
+    storage.sync()
+    assert sm.checkpoint_durable(seq)
+    db = storage.side_db(b"entrypos")
+    target = log.entries[3]  # m2, queue 0 offset 1
+    with storage.env.begin(write=True) as txn:
+        key = struct.pack(">Q", target.pos)
+        assert txn.get(key, db=db) == struct.pack(">Q", target.index)
+        txn.put(key, struct.pack(">Q", target.index + 1), db=db)
+    with pytest.raises(StorageCorrupted) as exc:
+        sm.broker.read("t", 0, 1, 1)
+    assert "t/0@1" in str(exc.value)
+    assert sm.broker.read("t", 0, 0, 1).messages[0].body == b"m0"  # the rest still reads
+    storage.close()

@@ -302,6 +302,7 @@ class Node:
         # core (see _snapshot_housekeeping), and when that was last checked.
         self._pending_snap: tuple[Snapshot, str] | None = None
         self._pending_checked_s = 0.0
+        self._floor_checked_s = 0.0
         # Snapshot streams that ended, reported to the core after advance():
         # (peer, delivered).
         self._snap_reports: list[tuple[int, bool]] = []
@@ -1141,6 +1142,10 @@ class Node:
             # is retention's call (compact_floor). One waits at a time.
             if self._pending_snap is not None:
                 return
+            now = self._clock()
+            if now - self._floor_checked_s < _PENDING_SNAPSHOT_CHECK_S:
+                return  # the floor costs a lookup per queue: not every Ready
+            self._floor_checked_s = now
             if self._floor(r) - 1 <= (latest.index if latest is not None else 0):
                 return
         st = self._storage

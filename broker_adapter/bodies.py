@@ -670,21 +670,17 @@ class _BlockIndex:
         return out
 
     def delete(self, qid: int, lo: int, hi: int) -> None:
-        """Entries [lo, hi) are gone, and (retention drops from the head)
-        so is everything before ``lo``: drop each block that no longer holds
-        a live entry, i.e. that ends within (lo, hi], or that starts at or
-        after ``lo`` and holds nothing past ``hi`` (a deleted topic)."""
+        """Entries [lo, hi) are gone, and (retention drops from the head,
+        a deleted topic goes whole) so is everything before ``lo``: drop
+        each block touched that holds nothing past ``hi``."""
         if hi <= lo:
             return
         for b in range(lo // BLOCK_UNITS, -(-hi // BLOCK_UNITS)):
             key = _BKEY.pack(qid, b)
-            end = (b + 1) * BLOCK_UNITS
-            if end > hi:
-                if b * BLOCK_UNITS < lo:
-                    continue
+            if (b + 1) * BLOCK_UNITS > hi:
                 blk = self._block(key)
                 if blk is not None and b * BLOCK_UNITS + len(blk) // _UNIT > hi:
-                    continue
+                    continue  # live entries past hi
             self.over[key] = None
             self._cache.pop(key, None)
 

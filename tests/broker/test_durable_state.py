@@ -326,3 +326,61 @@ def test_a_damaged_entry_map_is_reported_never_followed(tmp_path: Path) -> None:
     assert "t/0@1" in str(exc.value)
     assert sm.broker.read("t", 0, 0, 1).messages[0].body == b"m0"  # the rest still reads
     storage.close()
+
+
+def test_index_blocks_across_boundaries_with_retention_and_topic_deletion(
+    tmp_path: Path,
+) -> None:
+    """Thousands of messages per queue cross index blocks (680 entries
+    each): reads, retention from the head, a restart from the checkpoint and
+    a topic deletion answer exactly like the in-memory store, and blocks
+    wholly behind the head (or of a deleted topic) are deleted on disk."""
+    storage = open_log(tmp_path / "log")
+    sm = durable_sm(storage)
+    log = Log()
+    ts = 1000
+    entries = [log.add(encode_topic(CommandKind.CREATE_TOPIC, "t", ts, 2))]
+    entries.append(log.add(encode_topic(CommandKind.CREATE_TOPIC, "u", ts, 1)))
+    for k in range(60):
+        ts += 1
+        msgs = [Message(body=b"%d-%d" % (k, j), queue=j % 2) for j in range(50)]
+        entries.append(log.add(encode_produce("t", msgs, ts)))
+    entries.append(log.add(encode_produce("u", [Message(body=b"x" * 10)] * 20, ts)))
+    # keep about 900 records of t (each ~40 bytes): queue heads move past
+    # the first block boundary
+    entries.append(log.add(encode_retention(ts, 900 * 40, 0)))
+    for k in range(60, 80):
+        ts += 1
+        msgs = [Message(body=b"%d-%d" % (k, j), queue=j % 2) for j in range(50)]
+        entries.append(log.add(encode_produce("t", msgs, ts)))
+    feed(storage, sm, entries)
+    mem, _ = replay(entries)
+    assert answers(sm.broker) == answers(mem)
+    lo = sm.broker.topic("t").queues[0].min_offset
+    assert lo > 680, lo  # the head moved past block 0
+    seq = sm.checkpoint()
+    storage.sync()
+    assert sm.checkpoint_durable(seq)
+    qid = sm.broker._topics["t"].queues[0].qid
+    db = storage.side_db(b"cqblocks")
+    with storage.env.begin() as txn:
+        assert txn.get(struct.pack(">IQ", qid, 0), db=db) is None  # wholly behind the head
+        assert txn.get(struct.pack(">IQ", qid, lo // 680), db=db) is not None
+    storage.close()
+
+    storage = open_log(tmp_path / "log")
+    back = durable_sm(storage)
+    assert back.load_checkpoint() == entries[-1].index
+    assert answers(back.broker) == answers(mem)
+    uqid = back.broker._topics["u"].queues[0].qid
+    more = [log.add(encode_topic(CommandKind.DELETE_TOPIC, "u", ts))]
+    feed(storage, back, more)
+    mem2, _ = replay(entries + more)
+    assert answers(back.broker) == answers(mem2)
+    seq = back.checkpoint()
+    storage.sync()
+    assert back.checkpoint_durable(seq)
+    db = storage.side_db(b"cqblocks")
+    with storage.env.begin() as txn:
+        assert txn.get(struct.pack(">IQ", uqid, 0), db=db) is None  # the deleted topic's block
+    storage.close()

@@ -835,6 +835,9 @@ class DurableBodies(LmdbBodies):
         self._pos_db: lmdb._Database | None = None
         self._cq = _BlockIndex(self)
         self._cq_staged: list[tuple[int, dict[bytes, bytes | None]]] = []
+        # Set while a snapshot is restored into this store from a worker
+        # thread: reads answer "catching up" instead of seeing it half done.
+        self.restoring = False
 
     def attach(self, storage: SideStorage) -> None:
         """Bind to the node's open storage (before any other call)."""
@@ -871,10 +874,16 @@ class DurableBodies(LmdbBodies):
     def index_put(self, qid: int, off: int, entry: IndexEntry) -> None:
         self._cq.put(qid, off, entry)
 
+    def _not_restoring(self) -> None:
+        if self.restoring:
+            raise RecordNotHere("this replica is installing a snapshot")
+
     def index_get(self, qid: int, off: int) -> IndexEntry:
+        self._not_restoring()
         return self._cq.get(qid, off)
 
     def index_many(self, qid: int, lo: int, hi: int) -> list[IndexEntry]:
+        self._not_restoring()
         return self._cq.many(qid, lo, hi)
 
     def index_delete(self, qid: int, lo: int, hi: int) -> None:
@@ -936,11 +945,13 @@ class DurableBodies(LmdbBodies):
         return _slice(e, phys, size)
 
     def get(self, phys: int) -> bytes:
+        self._not_restoring()
         if phys < self._archive_end:
             return super().get(phys)
         return self._from_log(phys, None, _EntryCache())
 
     def get_many(self, phys: Sequence[int], sizes: Sequence[int] | None = None) -> list[bytes]:
+        self._not_restoring()
         cache = _EntryCache()
         out: list[bytes] = []
         with self.reading():

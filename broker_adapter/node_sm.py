@@ -82,20 +82,39 @@ class BrokerStateMachine(LogStateMachine):
         return build
 
     def restore(self, data: bytes) -> None:
+        self.prepare_restore(data)()
+
+    def prepare_restore(self, data: bytes) -> Callable[[], None]:
+        """:meth:`restore` in two steps: this one parses the snapshot and
+        fills the store (heavy: a node runs it in a worker thread; reads of
+        a durable store meanwhile answer 503 CATCHING_UP), the returned one
+        swaps the state in and wakes the listeners (on the node's loop)."""
         data = bytes(data)
         if len(data) < _LEN.size:
             raise SnapshotError("broker state machine snapshot is truncated")
         (n,) = _LEN.unpack_from(data, 0)
         if _LEN.size + n > len(data):
             raise SnapshotError("broker state machine snapshot is truncated")
+        records = data[_LEN.size : _LEN.size + n]
+        LogStateMachine(0).restore(records)  # check it before the store is touched
+        bodies = self.broker.bodies
+        if isinstance(bodies, DurableBodies):
+            bodies.restoring = True
         try:
-            broker = BrokerState.restore(data[_LEN.size + n :], self.broker.bodies)
+            broker = BrokerState.restore(data[_LEN.size + n :], bodies)
         except MalformedCommand as exc:
             raise SnapshotError(f"broker snapshot: {exc}") from None
-        super().restore(data[_LEN.size : _LEN.size + n])
-        self.broker = broker
-        for fn in tuple(self._listeners):
-            fn()
+        finally:
+            if isinstance(bodies, DurableBodies):
+                bodies.restoring = False
+
+        def finish() -> None:
+            LogStateMachine.restore(self, records)
+            self.broker = broker
+            for fn in tuple(self._listeners):
+                fn()
+
+        return finish
 
     # -- a durable state (bodies = DurableBodies) --------------------------------
     @property

@@ -845,6 +845,8 @@ class BrokerState:
             while k < end and len(out) < max_messages and scanned < MAX_SCAN:
                 try:
                     phys, size, th, ts = index_get(cq.qid, k)
+                except RecordNotHere as exc:
+                    raise CatchingUp(f"{topic}/{queue}@{k}: {exc}") from None
                 except BodyMissing as exc:
                     raise StorageCorrupted(f"{topic}/{queue}@{k}: {exc}") from None
                 if out and used + size > max_bytes:
@@ -897,6 +899,8 @@ class BrokerState:
         with self.bodies.reading():
             try:
                 entries = self.bodies.index_many(cq.qid, offset, offset + n)
+            except RecordNotHere as exc:
+                raise CatchingUp(f"{topic}/{queue}: {exc}") from None
             except BodyMissing as exc:
                 raise StorageCorrupted(f"{topic}/{queue}: {exc}") from None
             phys: Sequence[int] = ()

@@ -1051,7 +1051,13 @@ class Node:
         assert st is not None
         self.counters["readies"] += 1
         if rd.snapshot is not None:
-            self._install_snapshot(st, rd.snapshot)
+            if self._durable_sm is not None:
+                # A big store is filled off the loop (reads of it answer
+                # 503 meanwhile); the swap itself runs here.
+                finish = await self.env.offload(self._durable_sm.prepare_restore, rd.snapshot.data)
+                self._install_snapshot(st, rd.snapshot, finish)
+            else:
+                self._install_snapshot(st, rd.snapshot)
         if rd.entries:
             self._work("persist", len(rd.entries))
             self._pass_persisted += len(rd.entries)
@@ -1070,12 +1076,17 @@ class Node:
             self.counters["syncs"] += 1
             self.counters["synced_entries"] += len(rd.entries)
 
-    def _install_snapshot(self, st: NodeStorage, snap: Snapshot) -> None:
+    def _install_snapshot(
+        self, st: NodeStorage, snap: Snapshot, restored: Callable[[], None] | None = None
+    ) -> None:
         """Restore the state machine from a leader's snapshot and reset the
         log to it (durable with this Ready's sync, before anything is sent)."""
         meta = snap.meta
         # A refused payload raises: the loop stops rather than diverge.
-        self.state_machine.restore(snap.data)
+        if restored is not None:
+            restored()  # the state was filled off the loop (prepare_restore)
+        else:
+            self.state_machine.restore(snap.data)
         st.apply_snapshot(snap)
         self.applied = meta.index
         if self._durable_sm is not None:

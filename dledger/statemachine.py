@@ -72,6 +72,11 @@ class DurableStateMachine(Protocol):
 
     def log_compacted(self, front_pos: int) -> None: ...
 
+    def prepare_restore(self, data: bytes) -> Callable[[], None]:
+        """``restore`` in two steps: the heavy part (safe to run in a worker
+        thread while the loop serves), then a quick one run on the loop."""
+        ...
+
 
 class SnapshotError(ValueError):
     """A state machine snapshot that cannot be restored (damaged or foreign)."""

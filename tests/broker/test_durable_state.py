@@ -384,3 +384,39 @@ def test_index_blocks_across_boundaries_with_retention_and_topic_deletion(
     with storage.env.begin() as txn:
         assert txn.get(struct.pack(">IQ", uqid, 0), db=db) is None  # the deleted topic's block
     storage.close()
+
+
+def test_reads_during_an_off_loop_restore_are_catching_up(tmp_path: Path) -> None:
+    """A node fills the store from a snapshot in a worker thread
+    (prepare_restore) and swaps the state in on its loop; reads that come in
+    between answer 503 CATCHING_UP rather than see a half-filled store."""
+    from dledger.errors import CatchingUp
+
+    leader_log = open_log(tmp_path / "leader")
+    leader = durable_sm(leader_log)
+    feed(leader_log, leader, _produce_log(6).entries)
+    snap = leader.snapshot()
+    storage = open_log(tmp_path / "follower")
+    follower = durable_sm(storage)
+    log = _produce_log(2)
+    feed(storage, follower, log.entries)
+    bodies = follower.broker.bodies
+    assert isinstance(bodies, DurableBodies)
+    seen: list[BaseException] = []
+    real = bodies.replace_all
+
+    def replace_all(*a: Any, **kw: Any) -> None:
+        real(*a, **kw)
+        try:  # a read arriving mid-restore, on the old state
+            follower.broker.read("t", 0, 0)
+        except CatchingUp as exc:
+            seen.append(exc)
+
+    bodies.replace_all = replace_all  # type: ignore[method-assign]
+    finish = follower.prepare_restore(snap)
+    assert len(seen) == 1 and not bodies.restoring
+    assert follower.broker.topic("t").queues[0].max_offset == 1  # not swapped yet
+    finish()
+    assert follower.broker.topic("t").queues[0].max_offset == 3
+    leader_log.close()
+    storage.close()

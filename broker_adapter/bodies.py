@@ -557,7 +557,23 @@ class SideStorage(Protocol):
 
 _CKPT_DB = b"broker"
 _CKPT_KEY = b"checkpoint"
-_POS_DB = b"entrypos"  # CommitLog position of a produce entry -> its log index
+_POS_DB = b"entrypos"  # CommitLog position of a produce entry -> its log index + CRC
+_POS_VAL = struct.Struct(">QI")
+
+
+def _seal_pos(key: bytes, index: int) -> bytes:
+    return _POS_VAL.pack(index, zlib.crc32(_KEY.pack(index), zlib.crc32(key)))
+
+
+def _unseal_pos(key: bytes, value: bytes | memoryview) -> int:
+    raw = bytes(value)
+    if len(raw) == _POS_VAL.size and len(key) == _KEY.size:
+        index, crc = _POS_VAL.unpack(raw)
+        if crc == zlib.crc32(_KEY.pack(index), zlib.crc32(key)):
+            return int(index)
+    raise IndexDamaged(f"the entry map's row for position {bytes(key).hex()} fails its CRC")
+
+
 _ICRC = struct.Struct(">I")
 _SEALED_IVAL = _IVAL.size + _ICRC.size
 
@@ -908,7 +924,7 @@ class DurableBodies(LmdbBodies):
         key = cur.key()
         if key in (self._pos_deletes if deletes is None else deletes):
             return None
-        return int(_KEY.unpack(cur.value())[0])
+        return _unseal_pos(bytes(key), cur.value())
 
     def index_of(self, phys: int) -> int | None:
         """The log index of the entry holding the record at ``phys``, or None
@@ -993,7 +1009,10 @@ class DurableBodies(LmdbBodies):
         assert st is not None
         self.prune()
         recs, idx = dict(self._pending), self._cq.staged()
-        pos: dict[bytes, bytes | None] = {_KEY.pack(p): _KEY.pack(i) for p, i in self._pos_rows}
+        pos: dict[bytes, bytes | None] = {}
+        for p, i in self._pos_rows:
+            k = _KEY.pack(p)
+            pos[k] = _seal_pos(k, i)
         pos.update(self._pos_deletes)
         self._pos_deletes = {}
         seq = st.stage(
@@ -1033,6 +1052,22 @@ class DurableBodies(LmdbBodies):
             if n > 0:
                 del self._pos_rows[:n]
                 self._pos_done = upto
+
+    def verify(self) -> int:
+        """Check every index block and entry-map row on disk against its CRC
+        (at start, so a store damaged while the node was down is rebuilt
+        from the log rather than found by a read later); raises
+        :class:`IndexDamaged`. Returns how many it checked."""
+        env, _, idx = self._open()
+        n = 0
+        with env.begin(buffers=True) as txn:
+            for key, value in txn.cursor(db=idx).iternext():
+                _BlockIndex.unseal(bytes(key), value)
+                n += 1
+            for key, value in txn.cursor(db=self._pos_db).iternext():
+                _unseal_pos(bytes(key), value)
+                n += 1
+        return n
 
     def load_checkpoint(self) -> bytes | None:
         """The last durable checkpoint blob, or None."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
-from broker_adapter.bodies import Bodies, DurableBodies, SideStorage
+from broker_adapter.bodies import Bodies, DurableBodies, IndexDamaged, SideStorage
 from broker_adapter.codec import is_command
 from broker_adapter.errors import MalformedCommand
 from broker_adapter.state import BrokerState
@@ -166,16 +166,25 @@ class BrokerStateMachine(LogStateMachine):
             raise SnapshotError(f"not a broker checkpoint of version {_CKPT_VERSION}")
         if _CKPT.size + n > len(blob):
             raise SnapshotError("the broker checkpoint is truncated")
+        # Everything is checked before anything here changes: a refused
+        # checkpoint leaves this state as it was (empty), to be rebuilt.
         try:
             broker = BrokerState.from_checkpoint(blob[_CKPT.size + n :], bodies)
         except MalformedCommand as exc:
             raise SnapshotError(f"broker checkpoint: {exc}") from None
-        LogStateMachine.restore(self, blob[_CKPT.size : _CKPT.size + n])
-        if self.last_applied != broker.applied_index:
+        records = blob[_CKPT.size : _CKPT.size + n]
+        probe = LogStateMachine(0)
+        probe.restore(records)
+        if probe.last_applied != broker.applied_index:
             raise SnapshotError(
-                f"the checkpoint's parts disagree: records at {self.last_applied}, "
+                f"the checkpoint's parts disagree: records at {probe.last_applied}, "
                 f"broker at {broker.applied_index}"
             )
+        try:
+            bodies.verify()
+        except IndexDamaged as exc:
+            raise SnapshotError(f"the stored index is damaged: {exc}") from None
+        LogStateMachine.restore(self, records)
         self.broker = broker
         return broker.applied_index
 

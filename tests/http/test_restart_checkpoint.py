@@ -111,6 +111,21 @@ async def test_a_restart_comes_back_from_the_checkpoint(tmp_path: Path) -> None:
     assert third.restored_from_checkpoint == 0
     assert again == before
 
+    # A damaged index block: found when the checkpoint is taken back, the
+    # state rebuilt from the log, the same answers.
+    st = LmdbStorage(cfg.data_dir)
+    db = st.side_db(b"cqblocks")
+    with st.env.begin(write=True) as txn:
+        cur = txn.cursor(db=db)
+        assert cur.first()
+        key, blk = bytes(cur.key()), bytearray(cur.value())
+        blk[5] ^= 0x02
+        txn.put(key, bytes(blk), db=db)
+    st.close()
+    fourth, again = await _run(cfg, _state)
+    assert fourth.counters["checkpoints_discarded"] == 1
+    assert again == before
+
 
 async def test_the_log_is_compacted_only_past_the_oldest_retained_record(tmp_path: Path) -> None:
     """Records are read from the log entries that carry them: snapshots do

@@ -819,12 +819,13 @@ class DurableBodies(LmdbBodies):
 
     * **Records are read from the log.** A produce entry's records stay in
       the log entry that carries them; the store keeps only the entry's
-      CommitLog position -> log index (``entrypos``), and a read finds the
-      entry holding a physical offset and slices the record out of it (the
-      entry's CRC checked on every read). Records restored from a snapshot
-      (their entries are not in this node's log) are kept in ``records``,
-      below :attr:`_archive_end`.
-    * **The ConsumeQueue** is in ``consumequeue`` as in :class:`LmdbBodies`.
+      CommitLog position -> log index (``entrypos``, CRC per row), and a
+      read finds the entry holding a physical offset, checks that it spans
+      it and slices the record out (the entry's CRC checked on every read).
+      Records restored from a snapshot of format 1 (their entries are not
+      in this node's log) are kept in ``records``, below :attr:`_archive_end`.
+    * **The ConsumeQueue** is in ``cqblocks``, 680 entries to a CRC-checked
+      block (:class:`_BlockIndex`).
     * **Checkpoints.** Changes stay in memory (read through) until
       :meth:`stage_checkpoint` hands them, and a blob with the rest of the
       state as of the same moment, to the storage's next group commit; once

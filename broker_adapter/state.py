@@ -921,6 +921,8 @@ class BrokerState:
                 raise CatchingUp(f"{topic}/{queue}@{offset}..: {exc}") from None
             except BodyMissing as exc:
                 raise StorageCorrupted(f"{topic}/{queue}@{offset}..: {exc}") from None
+            except StorageCorrupted as exc:
+                raise StorageCorrupted(f"{topic}/{queue}@{offset}..: {exc}", exc.index) from None
         try:
             recs = codec.decode_columns(raw)
         except codec.BadRecord as exc:
@@ -950,6 +952,13 @@ class BrokerState:
             raise CatchingUp(
                 f"message {topic}/{queue}@{off} (physical offset {phys}) is not stored on this "
                 f"replica: it installed a snapshot since and is catching up ({exc})"
+            ) from None
+        except StorageCorrupted as exc:
+            # the log entry holding it failed its check: name the message too
+            raise StorageCorrupted(
+                f"message {topic}/{queue}@{off} (physical offset {phys}) cannot be read back: "
+                f"{exc}",
+                exc.index,
             ) from None
         except MalformedCommand as exc:
             # The index names it, so it was applied whole: the record store

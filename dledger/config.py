@@ -180,6 +180,10 @@ class NodeConfig:
     # snapshot_trailing_entries so slightly-behind followers still get entries.
     snapshot_every_entries: int = 50_000
     snapshot_trailing_entries: int = 1024
+    # Recently persisted entries the leader keeps in memory to send to
+    # followers without reading them back from disk (also after the log
+    # behind them was compacted): at most this many bytes.
+    log_cache_bytes: int = 64 << 20
     # Snapshot streaming (dledger/snapshot_stream.py): a snapshot goes to a
     # far-behind follower in chunks of snapshot_chunk_bytes, at most
     # snapshot_window_chunks unacknowledged; a transfer without progress for
@@ -305,6 +309,7 @@ class NodeConfig:
             max_apply_bytes=self.max_apply_bytes,
             transfer_max_lag=self.transfer_max_lag,
             snapshot_trailing_entries=self.snapshot_trailing_entries,
+            log_cache_bytes_max=self.log_cache_bytes,
             # planted bugs, tests only (dledger/faults.py, the simulator)
             faults=faults.core_faults() | self.faults,
         )
@@ -372,6 +377,8 @@ class NodeConfig:
             raise ConfigError(
                 f"snapshot_every_entries must be >= 0 (0: never), got {self.snapshot_every_entries}"
             )
+        if self.log_cache_bytes < 0:
+            raise ConfigError(f"log_cache_bytes must be >= 0, got {self.log_cache_bytes}")
         if self.snapshot_trailing_entries < 0:
             raise ConfigError(
                 f"snapshot_trailing_entries must be >= 0, got {self.snapshot_trailing_entries}"

@@ -789,6 +789,11 @@ class Node:
                 # a state machine kept in the storage: the checkpoint it came
                 # back from at start (0: none; it came from the snapshot)
                 "restored_from_checkpoint": self.restored_from_checkpoint,
+                # a snapshot built and waiting for retention to drop every
+                # record in the entries it covers (0: none waiting)
+                "pending_index": (
+                    self._pending_snap[0].meta.index if self._pending_snap is not None else 0
+                ),
                 "every_entries": cfg.snapshot_every_entries,
                 "trailing_entries": cfg.snapshot_trailing_entries,
                 "taken": self.counters["snapshots_taken"],

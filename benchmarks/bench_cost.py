@@ -15,8 +15,11 @@ and 3 voters with 1 and 2 learners.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from typing import Any
+
+import orjson
 
 from benchmarks.bench_core import peer_key
 from benchmarks.common import (
@@ -30,11 +33,214 @@ from benchmarks.common import (
 )
 from benchmarks.loadgen import closed_loop
 from benchmarks.registry import BenchResult, Context, Figure, Series, benchmark
+from broker_adapter import Message, codec
+from dledger.cluster import HTTP_ERRORS, LocalCluster, http_request
 
 MB = 1 << 20
 
 
-@benchmark("cost_growth", "throughput, RSS and disk bytes/message as the log grows; topologies")
+def _fill(lc: LocalCluster, stored: int, target: int, body: bytes) -> dict[str, Any]:
+    """Batched produce (100 per request) until ``target`` messages are stored."""
+    t0 = time.perf_counter()
+    ok = 0
+    errors: dict[str, int] = {}
+    p99s: list[float] = []
+    # In pieces of at most 1000 requests (100k messages), each aimed at the
+    # leader of the moment: after a leader change the old one answers 307
+    # (not followed here), and a single closed loop of millions of messages
+    # would spin on those until its deadline.
+    while stored + ok * 100 < target and time.perf_counter() - t0 < 1800:
+        leader = lc.wait_leader(timeout_s=30)
+        piece = asyncio.run(
+            closed_loop(
+                produce_url(lc.http(leader)),
+                body,
+                concurrency=8,
+                duration_s=120,
+                msgs_per_req=100,
+                total_requests=min(1000, (target - stored) // 100 - ok),
+            )
+        )
+        ok += piece["requests_ok"]
+        p99s.append(piece["latency_ms"]["p99"])
+        for k, v in piece["errors"].items():
+            errors[k] = errors.get(k, 0) + v
+    return {
+        "messages": ok * 100,
+        "secs": time.perf_counter() - t0,
+        "p99_ms": max(p99s, default=0.0),
+        "errors": errors,
+    }
+
+
+def _ready_after_start(lc: LocalCluster, nid: int, target: int, timeout_s: float) -> float:
+    """Start ``nid`` and return the seconds until it answers /readyz and has
+    applied at least ``target``."""
+    t0 = time.perf_counter()
+    lc.start(nid)
+    deadline = t0 + timeout_s
+    while time.perf_counter() < deadline:
+        st = lc.status(nid, timeout_s=2)
+        if st is not None and int(st.get("applied", 0)) >= target:
+            try:
+                r = http_request(lc.http(nid), "GET", "/readyz", timeout_s=2)
+                if r.status == 200:
+                    return time.perf_counter() - t0
+            except HTTP_ERRORS:
+                pass
+        time.sleep(0.05)
+    raise RuntimeError(f"node {nid} was not ready {timeout_s:.0f} s after its start")
+
+
+def _restart_s(lc: LocalCluster) -> dict[str, Any]:
+    """SIGKILL one follower of a quiet cluster, start it again, and time it
+    to ready: what a crash costs with this many messages stored."""
+    leader = lc.wait_leader(timeout_s=30)
+    nid = next(n for n in lc.ids() if n != leader)
+    lst = lc.status(leader, timeout_s=5) or {}
+    target = int(lst.get("commit", 0))
+    time.sleep(1.5)  # a quiet node checkpoints within about a second
+    lc.kill(nid, signal.SIGKILL)
+    secs = _ready_after_start(lc, nid, target, 600)
+    st = lc.status(nid, timeout_s=5) or {}
+    return {
+        "node": nid,
+        "seconds": secs,
+        "from_checkpoint": st.get("snapshot", {}).get("restored_from_checkpoint", 0),
+        "applied_at_kill": target,
+    }
+
+
+def _snapshot_bytes(lc: LocalCluster) -> dict[str, Any]:
+    sts = {nid: lc.status(nid, timeout_s=5) or {} for nid in lc.ids()}
+    snaps = {nid: st.get("snapshot", {}) for nid, st in sts.items()}
+    return {
+        "bytes": max(int(s.get("bytes", 0)) for s in snaps.values()),
+        "taken": {str(n): int(s.get("taken", 0)) for n, s in snaps.items()},
+        "index": {str(n): int(s.get("index", 0)) for n, s in snaps.items()},
+        "first_index": {
+            str(n): int(st.get("storage", {}).get("first_index", 0)) for n, st in sts.items()
+        },
+    }
+
+
+def _record_bytes(size: int) -> int:
+    """What the CommitLog record format itself needs for one message."""
+    return len(codec.encode_record(Message(body=b"x" * size, queue=0)))
+
+
+def _snapshot_growth(
+    ctx: Context, checkpoints: list[int], body: bytes, map_size: int
+) -> list[dict[str, Any]]:
+    """The same growth on a cluster whose retention keeps a fixed window of
+    the newest messages: retention drops throughout, snapshots are built and
+    the log compacted behind them. At each checkpoint: the snapshot's bytes.
+    A follower stopped at the first checkpoint comes back at the last, far
+    behind the log's front: the time it takes to catch up (snapshot, then
+    the retained log)."""
+    fmt = _record_bytes(100)
+    window = 500_000 if ctx.big else checkpoints[-1] // 4
+    # entries hold 100 messages: a snapshot is considered 4 times per window
+    every = max(50, window // 100 // 4)
+    settings: dict[str, object] = {
+        "map_size_bytes": map_size,
+        "snapshot_every_entries": every,
+        "snapshot_trailing_entries": every,
+    }
+    rows: list[dict[str, Any]] = []
+    with cluster(ctx, voters=3, settings=settings) as (lc, leader):
+        r = http_request(
+            lc.http(leader),
+            "PUT",
+            "/v1/retention",
+            orjson.dumps({"max_bytes": window * fmt, "max_age_ms": 0}),
+            timeout_s=10,
+            headers={"Content-Type": "application/json", **lc.admin_headers()},
+        )
+        if r.status != 200:
+            raise RuntimeError(f"setting retention failed: {r.status} {r.body[:200]!r}")
+        stored = 0
+        away: int | None = None
+        for i, cp in enumerate(checkpoints):
+            seg = _fill(lc, stored, cp, body)
+            stored += seg["messages"]
+            up = [n for n in lc.ids() if n != away]
+            wait_caught_up(lc, 300, up)
+            row: dict[str, Any] = {
+                "messages": stored,
+                "retained_window": window,
+                "segment_msg_per_s": seg["messages"] / seg["secs"],
+                **_snapshot_bytes(lc),
+                "rss_anon_mb": {str(n): rss_anon_bytes(lc.pid(n)) / MB for n in up},
+            }
+            if away is not None and i == len(checkpoints) - 1:
+                lead = lc.wait_leader(timeout_s=30)
+                target = int((lc.status(lead, timeout_s=5) or {}).get("commit", 0))
+                secs = _ready_after_start(lc, away, target, 1800)
+                st = lc.status(away, timeout_s=5) or {}
+                row["far_behind_catch_up"] = {
+                    "node": away,
+                    "stopped_at_messages": checkpoints[0],
+                    "seconds": secs,
+                    "snapshots_installed": st.get("snapshot", {}).get("installed", 0),
+                }
+                ctx.log(
+                    f"cost_growth: node {away}, stopped at {checkpoints[0]:,} messages, caught "
+                    f"up at {stored:,} in {secs:.1f} s "
+                    f"({row['far_behind_catch_up']['snapshots_installed']} snapshot installed)"
+                )
+            rows.append(row)
+            ctx.log(
+                f"cost_growth (retention keeps {window:,}): {stored:,} messages: snapshot "
+                f"{row['bytes'] / MB:,.1f} MB, log from index {max(row['first_index'].values()):,}"
+            )
+            if i == 0 and len(checkpoints) > 1:
+                lead = lc.wait_leader(timeout_s=30)
+                away = next(n for n in lc.ids() if n != lead)
+                lc.kill(away, signal.SIGKILL)
+    return rows
+
+
+def _growth_verdicts(
+    rows: list[dict[str, Any]], snap_rows: list[dict[str, Any]], fmt: int
+) -> list[str]:
+    """Issue 14's bars, from the first checkpoint at or past 1M messages (the
+    first one in shorter runs) to the last: met or not, with the figures."""
+    if len(rows) < 2:
+        return []
+    a = next((r for r in rows if r["messages"] >= 1_000_000), rows[0])
+    b = rows[-1]
+    if a is b:
+        return []
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    grow = max(b["rss_anon_mb"].values()) - max(a["rss_anon_mb"].values())
+    disk = max(b["disk_bytes_per_msg"].values())
+    ra, rb = a["restart"]["seconds"], b["restart"]["seconds"]
+    out = [
+        f"anonymous RSS from {a['messages']:,} to {b['messages']:,} messages: "
+        f"{grow:+.1f} MB (bar: within 50 MB): {verdict(abs(grow) <= 50)}",
+        f"disk per message at {b['messages']:,}: {disk:.1f} B, {disk / fmt:.2f}x the record "
+        f"format's {fmt} B (bar: 1.25x): {verdict(disk <= 1.25 * fmt)}",
+        f"restart to ready: {ra:.2f} s at {a['messages']:,}, {rb:.2f} s at {b['messages']:,} "
+        f"({rb / ra:.2f}x; bar: 2x): {verdict(rb <= 2 * ra)}",
+    ]
+    sa = next((r for r in snap_rows if r["messages"] == a["messages"]), None)
+    sb = snap_rows[-1] if snap_rows else None
+    if sa is not None and sb is not None and sa["bytes"] > 0:
+        out.append(
+            f"snapshot bytes: {sa['bytes'] / MB:.1f} MB at {sa['messages']:,}, "
+            f"{sb['bytes'] / MB:.1f} MB at {sb['messages']:,} ({sb['bytes'] / sa['bytes']:.2f}x; "
+            f"bar: 2x): {verdict(sb['bytes'] <= 2 * sa['bytes'])}"
+        )
+    elif sa is not None:
+        out.append(f"no snapshot yet at {sa['messages']:,} messages (retention had not dropped)")
+    return out
+
+
+@benchmark("cost_growth", "throughput, RSS, disk, restart and snapshot bytes as the log grows")
 def run_cost_growth(ctx: Context) -> BenchResult:
     res = BenchResult()
     if ctx.quick:
@@ -44,58 +250,44 @@ def run_cost_growth(ctx: Context) -> BenchResult:
     if ctx.big:
         checkpoints += [2_000_000, 5_000_000, 10_000_000]
     body = produce_body(100, 100)
+    fmt = _record_bytes(100)
     map_size = (24 << 30) if ctx.big else (4 << 30)
     rows = []
+    # Growth: every message retained, so nothing lets the log go and no
+    # snapshot is built; the log is the broker's state.
     with cluster(ctx, voters=3, settings={"map_size_bytes": map_size}) as (lc, leader):
         stored = 0
         for cp in checkpoints:
-            t0 = time.perf_counter()
-            ok = 0
-            errors: dict[str, int] = {}
-            p99s: list[float] = []
-            # In pieces of at most 1000 requests (100k messages), each aimed at
-            # the leader of the moment: after a leader change the old one
-            # answers 307 (not followed here), and a single closed loop of
-            # millions of messages would spin on those until its deadline.
-            while stored + ok * 100 < cp and time.perf_counter() - t0 < 1800:
-                leader = lc.wait_leader(timeout_s=30)
-                piece = asyncio.run(
-                    closed_loop(
-                        produce_url(lc.http(leader)),
-                        body,
-                        concurrency=8,
-                        duration_s=120,
-                        msgs_per_req=100,
-                        total_requests=min(1000, (cp - stored) // 100 - ok),
-                    )
-                )
-                ok += piece["requests_ok"]
-                p99s.append(piece["latency_ms"]["p99"])
-                for k, v in piece["errors"].items():
-                    errors[k] = errors.get(k, 0) + v
-            secs = time.perf_counter() - t0
-            stored += ok * 100
+            seg = _fill(lc, stored, cp, body)
+            stored += seg["messages"]
             wait_caught_up(lc, 300)
             rss = {nid: rss_bytes(lc.pid(nid)) for nid in lc.ids()}
             anon = {nid: rss_anon_bytes(lc.pid(nid)) for nid in lc.ids()}
             disk = {nid: disk_bytes(lc.data_dir(nid)) for nid in lc.ids()}
+            restart = _restart_s(lc)
             row: dict[str, Any] = {
                 "messages": stored,
-                "segment_msg_per_s": ok * 100 / secs,
-                "segment_p99_ms": max(p99s, default=0.0),
+                "segment_msg_per_s": seg["messages"] / seg["secs"],
+                "segment_p99_ms": seg["p99_ms"],
                 "rss_mb": {str(k): v / MB for k, v in rss.items()},
                 "rss_anon_mb": {str(k): v / MB for k, v in anon.items()},
                 "disk_bytes_per_msg": {str(k): v / max(stored, 1) for k, v in disk.items()},
-                "errors": errors,
+                "restart": restart,
+                "errors": seg["errors"],
             }
             rows.append(row)
             ctx.log(
                 f"cost_growth: {stored:,} messages: {row['segment_msg_per_s']:,.0f} msg/s, "
                 f"RSS max {max(rss.values()) / MB:,.0f} MB "
                 f"(anonymous {max(anon.values()) / MB:,.0f} MB), "
-                f"disk {max(disk.values()) / max(stored, 1):,.0f} B/msg"
+                f"disk {max(disk.values()) / max(stored, 1):,.0f} B/msg "
+                f"(the record format: {fmt} B), "
+                f"restart of node {restart['node']} to ready {restart['seconds']:.2f} s"
             )
     res.raw["growth"] = rows
+    res.raw["record_format_bytes"] = fmt
+    snap_rows = _snapshot_growth(ctx, checkpoints, body, map_size)
+    res.raw["snapshots"] = snap_rows
     xs = [float(r["messages"]) for r in rows]
     res.series += [
         Series(
@@ -163,6 +355,22 @@ def run_cost_growth(ctx: Context) -> BenchResult:
                 config={"per_node": r["disk_bytes_per_msg"]},
             ),
             Figure.of(
+                f"cost_growth.{m}.restart_s",
+                f"restart of a SIGKILLed follower to ready at {m:,} stored messages",
+                "s",
+                [r["restart"]["seconds"]],
+                higher_is_better=False,
+                config=r["restart"],
+            ),
+            Figure.of(
+                f"cost_growth.{m}.disk_vs_format",
+                f"disk per message over what the record format needs ({fmt} B), max node, at "
+                f"{m:,} stored messages",
+                "x",
+                [max(r["disk_bytes_per_msg"].values()) / fmt],
+                higher_is_better=False,
+            ),
+            Figure.of(
                 f"cost_growth.{m}.msg_per_s",
                 f"produce rate while growing to {m:,} messages",
                 "msg/s",
@@ -171,6 +379,56 @@ def run_cost_growth(ctx: Context) -> BenchResult:
             ),
         ]
 
+    for r in snap_rows:
+        m = r["messages"]
+        res.figures.append(
+            Figure.of(
+                f"cost_growth.{m}.snapshot_bytes",
+                f"snapshot bytes at {m:,} messages produced, retention keeping the newest "
+                f"{r['retained_window']:,} (max node)",
+                "B",
+                [float(r["bytes"])],
+                higher_is_better=False,
+                config={"taken": r["taken"], "index": r["index"]},
+            )
+        )
+        if "far_behind_catch_up" in r:
+            fb = r["far_behind_catch_up"]
+            res.figures.append(
+                Figure.of(
+                    "cost_growth.far_behind_catch_up_s",
+                    f"a follower stopped at {fb['stopped_at_messages']:,} messages back at "
+                    f"{m:,}: start to ready (snapshot, then the retained log)",
+                    "s",
+                    [fb["seconds"]],
+                    higher_is_better=False,
+                    config=fb,
+                )
+            )
+    res.series.append(
+        Series(
+            "cost_growth.restart",
+            "cost_growth_restart",
+            "restart of a SIGKILLed follower to ready",
+            "stored messages",
+            "s",
+            xs,
+            [r["restart"]["seconds"] for r in rows],
+        )
+    )
+    if snap_rows:
+        res.series.append(
+            Series(
+                "cost_growth.snapshot",
+                "cost_growth_snapshot",
+                "snapshot bytes, retention keeping a fixed window",
+                "messages produced",
+                "MB",
+                [float(r["messages"]) for r in snap_rows],
+                [r["bytes"] / MB for r in snap_rows],
+            )
+        )
+    res.notes += _growth_verdicts(rows, snap_rows, fmt)
     repeats = ctx.repeats()
     sat_s = 2.0 if ctx.quick else 3.0
     for voters, learners in ((3, 0), (5, 0), (3, 1), (3, 2)):

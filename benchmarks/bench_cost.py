@@ -235,7 +235,14 @@ def _growth_verdicts(
             f"{sb['bytes'] / MB:.1f} MB at {sb['messages']:,} ({sb['bytes'] / sa['bytes']:.2f}x; "
             f"bar: 2x): {verdict(sb['bytes'] <= 2 * sa['bytes'])}"
         )
-    elif sa is not None:
+    if sa is not None and sb is not None and sa is not sb:
+        g2 = max(sb["rss_anon_mb"].values()) - max(sa["rss_anon_mb"].values())
+        out.append(
+            f"anonymous RSS across snapshots (retention keeping {sb['retained_window']:,}) from "
+            f"{sa['messages']:,} to {sb['messages']:,}: {g2:+.1f} MB (bar: within 50 MB): "
+            f"{verdict(abs(g2) <= 50)}"
+        )
+    if sa is not None and sa["bytes"] == 0:
         out.append(f"no snapshot yet at {sa['messages']:,} messages (retention had not dropped)")
     return out
 

@@ -30,6 +30,9 @@ _CKPT_MAGIC = b"NSMC"
 _CKPT_VERSION = 1
 
 
+REPLICA_RECORDS = 1 << 16
+
+
 class BrokerStateMachine(LogStateMachine):
     def __init__(
         self,
@@ -39,7 +42,10 @@ class BrokerStateMachine(LogStateMachine):
     ) -> None:
         """``bodies``: where records live (default: memory); a node passes an
         :class:`~broker_adapter.bodies.LmdbBodies` in its data directory."""
-        super().__init__()
+        # The replica records behind /raft/applied are kept for the newest
+        # entries only: all of them would grow without bound (20 bytes per
+        # entry, in memory and in every checkpoint).
+        super().__init__(max_records=REPLICA_RECORDS)
         self.broker = broker if broker is not None else BrokerState(broker_name, bodies)
         self._listeners: list[Callable[[], None]] = []
 

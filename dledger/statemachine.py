@@ -96,7 +96,11 @@ class LogStateMachine:
     replicas: two nodes applied the same log iff their records agree.
     ``apply`` returns the CRC, so a proposer can check what was applied.
 
-    Its snapshot holds every record (20 bytes each) and the recent payload
+    With ``max_records`` only the newest records are kept (a broker node
+    keeps 65,536: its state is the broker's, and these records are there to
+    compare replicas, which needs the recent ones).
+
+    Its snapshot holds every record kept (20 bytes each) and the recent payload
     window as it is, so a restored replica answers ``records()`` and
     ``recent()`` exactly like one that applied the whole log. Nothing is
     lost; the price is that the snapshot grows with the number of NORMAL
@@ -104,7 +108,12 @@ class LogStateMachine:
     ``payload_bytes_max`` bytes).
     """
 
-    def __init__(self, recent_payloads: int = 10_000, payload_bytes_max: int = 4096) -> None:
+    def __init__(
+        self,
+        recent_payloads: int = 10_000,
+        payload_bytes_max: int = 4096,
+        max_records: int | None = None,
+    ) -> None:
         # One record per NORMAL entry, kept as three parallel arrays (about
         # 20 bytes a record instead of ~150 for a list of int tuples).
         self._idx = array("q")
@@ -115,6 +124,10 @@ class LogStateMachine:
         # read back what was written; bounded so memory stays flat.
         self._recent: deque[tuple[int, int, bytes]] = deque(maxlen=recent_payloads)
         self._payload_bytes_max = payload_bytes_max
+        # None: every record is kept. Otherwise the oldest are dropped once a
+        # quarter more than ``max_records`` are held (a count, so every
+        # replica that applied the same log drops the same ones).
+        self._max_records = max_records
 
     def _keep_payload(self, data: bytes) -> bool:
         """Whether a payload goes into the recent window (a subclass that
@@ -135,6 +148,12 @@ class LogStateMachine:
         self._idx.append(entry.index)
         self._term.append(entry.term)
         self._crc.append(crc)
+        cap = self._max_records
+        if cap is not None and len(self._idx) > cap + cap // 4:
+            drop = len(self._idx) - cap
+            del self._idx[:drop]
+            del self._term[:drop]
+            del self._crc[:drop]
         return crc
 
     def snapshot(self) -> bytes:

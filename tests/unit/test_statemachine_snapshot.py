@@ -75,3 +75,25 @@ def test_broker_state_machine_round_trip() -> None:
     assert b.snapshot() == a.snapshot()
     with pytest.raises(SnapshotError):
         b.restore(a.snapshot()[:-3])
+
+
+def test_capped_records_stay_bounded_and_identical_across_a_restore() -> None:
+    """With ``max_records`` the records (and the snapshot) stay bounded, and
+    a replica restored from a snapshot midway drops exactly the records the
+    one that applied everything drops."""
+    ents = entries(2000)
+    a = LogStateMachine(recent_payloads=50, max_records=100)
+    sizes = []
+    for e in ents[:1000]:
+        a.apply(e)
+        sizes.append(len(a))
+    assert max(sizes) <= 125 and len(a) >= 100
+    b = LogStateMachine(recent_payloads=50, max_records=100)
+    b.restore(a.snapshot())
+    for e in ents[1000:]:
+        assert a.apply(e) == b.apply(e)
+    assert a.records(1, 1000) == b.records(1, 1000)
+    assert a.snapshot() == b.snapshot()
+    newest = [e.index for e in ents if e.type is EntryType.NORMAL][-100:]
+    assert [r[0] for r in a.records(1, 1000)][-100:] == newest
+    assert len(a.snapshot()) < 125 * 20 + 50 * (20 + 40) + 100

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dledger.core.types import Entry, SnapshotMeta
+from dledger.core.types import Entry, EntryType, SnapshotMeta
 from dledger.errors import Compacted, InvariantViolation
 from dledger.storage.base import LogStorage
 
@@ -133,6 +133,25 @@ class RaftLog:
         """Raft section 5.4.1: is a candidate's log at least as up to date as ours?"""
         my_term = self.last_term()
         return last_term > my_term or (last_term == my_term and last_index >= self.last_index())
+
+    def conf_entries(self, lo: int, hi: int) -> list[Entry]:
+        """The CONF_CHANGE entries of the stable log in [lo, hi): from the
+        storage's own scan when it has one (reading headers only), else
+        from its entries a chunk at a time, so that a long log is never
+        held in memory whole."""
+        scan = getattr(self.storage, "conf_entries", None)
+        if scan is not None:
+            found: list[Entry] = scan(lo, hi)
+            return found
+        out: list[Entry] = []
+        i = lo
+        while i < hi:
+            chunk = self.storage.entries(i, min(hi, i + 4096))
+            if not chunk:
+                break
+            out += [e for e in chunk if e.type is EntryType.CONF_CHANGE]
+            i = chunk[-1].index + 1
+        return out
 
     def entries(self, lo: int, hi: int, max_bytes: int | None = None) -> list[Entry]:
         """Entries in ``[lo, hi)``: at least one if any, then up to ``max_bytes``

@@ -1224,9 +1224,8 @@ class RawNode:
             cfg = self._snapshot.config
             lo = self._snapshot.index + 1
         if applied >= lo:
-            for e in self.log.entries(lo, applied + 1):
-                if e.type is EntryType.CONF_CHANGE:
-                    cfg = cfg.apply(decode_conf_change(e.data))
+            for e in self.log.conf_entries(lo, applied + 1):
+                cfg = cfg.apply(decode_conf_change(e.data))
         return cfg
 
     def _apply_conf_change(self, cc: ConfChange) -> None:

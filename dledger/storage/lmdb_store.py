@@ -152,7 +152,7 @@ import lmdb
 
 from dledger import faults
 from dledger.core.codec import decode_entry, encode_entry
-from dledger.core.types import ClusterConfig, Entry, HardState, Snapshot, SnapshotMeta
+from dledger.core.types import ClusterConfig, Entry, EntryType, HardState, Snapshot, SnapshotMeta
 from dledger.errors import (
     CodecError,
     Compacted,
@@ -840,6 +840,52 @@ class LmdbStorage:
             out.append(e)
         return out
 
+    def conf_entries(self, lo: int, hi: int) -> list[Entry]:
+        """The CONF_CHANGE entries in [lo, hi), in order. Only each record's
+        header is read (a parted record's first part); the entries found are
+        decoded and CRC-checked in full. A start reads the membership changes
+        after the snapshot this way, not the whole retained log (which is the
+        CommitLog: gigabytes)."""
+        if lo <= self._offset:
+            raise Compacted(f"index {lo} is compacted (first index {self._offset + 1})")
+        hi = min(hi, self._last + 1)
+        out: list[Entry] = []
+        durable_hi = min(hi, self._limit)
+        conf = int(EntryType.CONF_CHANGE)
+        if lo < durable_hi:
+            try:
+                with self._env.begin(buffers=True) as txn:
+                    cur = txn.cursor(db=self._log_db)
+                    if not cur.set_key(_KEY.pack(lo)):
+                        raise self._corrupt(lo, "the record is missing")
+                    expect = lo
+                    for key, value in cur.iternext():
+                        index = _unkey(key)
+                        if index != expect:
+                            raise self._corrupt(expect, "the record is missing (the log has a gap)")
+                        # A stub stands for a record longer than _INLINE_MAX:
+                        # never a membership change (48 bytes; _apply_batch
+                        # refuses to part one). Otherwise the entry type is
+                        # the header's fourth byte; a record too short to say
+                        # is decoded (and reported) in full.
+                        if value[:2] == _STUB_MAGIC:
+                            pass
+                        elif len(value) < 4 or value[3] == conf:
+                            e = self._decode(value, index, txn)
+                            if e.type is EntryType.CONF_CHANGE:
+                                out.append(e)
+                        expect += 1
+                        if expect == durable_hi:
+                            break
+                    if expect != durable_hi:
+                        raise self._corrupt(expect, "the record is missing")
+            except _LMDB_DAMAGE as exc:
+                raise self._corrupt(lo, f"LMDB reported damage while reading: {exc}") from exc
+        for e in self._pending[max(lo, self._limit) - self._limit : hi - self._limit]:
+            if e.type is EntryType.CONF_CHANGE:
+                out.append(e)
+        return out
+
     def _read_durable(self, lo: int, hi: int, max_bytes: int | None, out: list[Entry]) -> int:
         """Append durable entries lo..hi-1 to out, stopping early once
         max_bytes is exceeded (after at least one). Returns the bytes taken."""
@@ -1231,6 +1277,12 @@ class LmdbStorage:
                 if len(rec) <= _INLINE_MAX:
                     records.append((_KEY.pack(e.index), rec))
                     continue
+                if e.type is EntryType.CONF_CHANGE:
+                    # conf_entries() finds membership changes without reading
+                    # parts: one is never parted (it is 48 bytes)
+                    raise InvariantViolation(
+                        f"entry {e.index}: a membership change of {len(rec)} bytes"
+                    )
                 n = -(-len(rec) // _PART_MAX)
                 size = -(-len(rec) // n)
                 pieces = [rec[k : k + size] for k in range(0, len(rec), size)]

@@ -755,3 +755,33 @@ def test_a_damaged_or_missing_part_is_corruption(tmp_path: Path) -> None:
     assert t.entries(1, 2) == more[:1]
     assert t.entries(3, 6) == more[2:]
     t.close()
+
+
+def test_conf_entries_reads_headers_and_finds_every_membership_change(tmp_path: Path) -> None:
+    """A start reads only the membership changes after the snapshot (the
+    log is the CommitLog); they must be exactly the CONF_CHANGE entries,
+    from short records, behind long (parted) ones, and still unwritten."""
+    s = LmdbStorage(tmp_path / "log")
+    try:
+        pos, ents = 0, []
+        for i in range(1, 301):
+            kind = EntryType.CONF_CHANGE if i % 37 == 0 else EntryType.NORMAL
+            if i % 5 == 0 and kind is EntryType.NORMAL:
+                data = b"L" * 5000  # stored in parts
+            else:
+                data = f"e{i}".encode()
+            e = Entry(index=i, term=1, type=kind, data=data, pos=pos)
+            ents.append(e)
+            pos = e.end_pos
+        s.append(ents[:250])
+        s.sync()
+        s.append(ents[250:])  # not yet committed to LMDB
+        want = [e for e in ents if e.type is EntryType.CONF_CHANGE]
+        assert s.conf_entries(1, 301) == want
+        assert s.conf_entries(40, 260) == [e for e in want if 40 <= e.index < 260]
+        s.compact(100, 1, ents[98].end_pos)
+        with pytest.raises(Compacted):
+            s.conf_entries(50, 301)
+        assert s.conf_entries(100, 301) == [e for e in want if e.index >= 100]
+    finally:
+        s.close()

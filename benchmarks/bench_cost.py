@@ -139,7 +139,7 @@ def _snapshot_growth(
     behind the log's front: the time it takes to catch up (snapshot, then
     the retained log)."""
     fmt = _record_bytes(100)
-    window = 500_000 if ctx.big else checkpoints[-1] // 4
+    window = 200_000 if ctx.big else checkpoints[-1] // 4
     # entries hold 100 messages: a snapshot is considered 4 times per window
     every = max(50, window // 100 // 4)
     settings: dict[str, object] = {

@@ -202,6 +202,11 @@ class _Pending:
     conf: bool
 
 
+# How often a quiet node (nothing due) still looks at a waiting snapshot or
+# an unwritten checkpoint.
+_QUIET_HOUSEKEEPING_S = 1.0
+
+
 def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
     if not fut.done():
         fut.set_exception(exc)
@@ -982,6 +987,10 @@ class Node:
         if self.cfg.flush == "async":
             # the interval fsync runs between passes: never sleep through it
             due = min(due, self._flush_due_s())
+        if self._pending_snap is not None or self._ckpt_seq is not None:
+            # a snapshot waiting for retention, a checkpoint not yet written:
+            # a quiet node still gets to them, once a second
+            due = min(due, self._clock() + _QUIET_HOUSEKEEPING_S)
         self._planned_wake_s = due
         delay = due - self._clock()
         if delay <= 0:
@@ -1162,7 +1171,12 @@ class Node:
             if now - self._floor_checked_s < _PENDING_SNAPSHOT_CHECK_S:
                 return  # the floor costs a lookup per queue: not every Ready
             self._floor_checked_s = now
-            if self._floor(r) - 1 <= (latest.index if latest is not None else 0):
+            # Only once retention has let go of at least ``every`` entries
+            # past the current snapshot: a snapshot waits (its bytes in
+            # memory, its file on disk) until retention passes its index,
+            # which with nothing dropped is never (a log of 5M retained
+            # messages built one of 120 MB and kept it).
+            if self._floor(r) - 1 - (latest.index if latest is not None else 0) < every:
                 return
         st = self._storage
         assert st is not None

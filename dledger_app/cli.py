@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import gc
 import logging
 import secrets
@@ -78,9 +79,23 @@ def _setup_logging(level: str, node_id: int) -> None:
 # dledger node
 
 
+def _pin_mmap_threshold() -> None:
+    """Blocks of 1 MiB and more (snapshots, checkpoints, big reads) get
+    their own mappings, given back when freed. glibc otherwise raises its
+    threshold to the size of the largest block freed, after which such
+    blocks come from the heap and its holes: a node's memory crept up by
+    every snapshot it built (+34 MB from 1M to 5M messages)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to pin
+
+
 async def run_node(cfg: NodeConfig, group: GroupFile | None = None) -> int:
     """Run one node until SIGTERM/SIGINT or a fatal error; returns the exit code.
     ``group``: the node's group file (a multi-group deployment), if any."""
+    _pin_mmap_threshold()
     node: Node
     if group is not None and group.role == "controller":
         node = Node(cfg, ControllerStateMachine())

@@ -271,7 +271,10 @@ def run_cost_growth(ctx: Context) -> BenchResult:
             rss = {nid: rss_bytes(lc.pid(nid)) for nid in lc.ids()}
             anon = {nid: rss_anon_bytes(lc.pid(nid)) for nid in lc.ids()}
             disk = {nid: disk_bytes(lc.data_dir(nid)) for nid in lc.ids()}
-            restart = _restart_s(lc)
+            # three restarts (each of a SIGKILLed follower), the median kept:
+            # one sample on a shared 2-core machine swings by 2x
+            tries = sorted((_restart_s(lc) for _ in range(3)), key=lambda x: x["seconds"])
+            restart = {**tries[1], "samples_s": [t["seconds"] for t in tries]}
             row: dict[str, Any] = {
                 "messages": stored,
                 "segment_msg_per_s": seg["messages"] / seg["secs"],
@@ -289,7 +292,7 @@ def run_cost_growth(ctx: Context) -> BenchResult:
                 f"(anonymous {max(anon.values()) / MB:,.0f} MB), "
                 f"disk {max(disk.values()) / max(stored, 1):,.0f} B/msg "
                 f"(the record format: {fmt} B), "
-                f"restart of node {restart['node']} to ready {restart['seconds']:.2f} s"
+                f"restart of a follower to ready {restart['seconds']:.2f} s (median of 3)"
             )
     res.raw["growth"] = rows
     res.raw["record_format_bytes"] = fmt
@@ -363,7 +366,7 @@ def run_cost_growth(ctx: Context) -> BenchResult:
             ),
             Figure.of(
                 f"cost_growth.{m}.restart_s",
-                f"restart of a SIGKILLed follower to ready at {m:,} stored messages",
+                f"restart of a SIGKILLed follower to ready at {m:,} stored messages (median of 3)",
                 "s",
                 [r["restart"]["seconds"]],
                 higher_is_better=False,

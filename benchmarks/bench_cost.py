@@ -19,8 +19,6 @@ import signal
 import time
 from typing import Any
 
-import orjson
-
 from benchmarks.bench_core import peer_key
 from benchmarks.common import (
     cluster,
@@ -29,6 +27,7 @@ from benchmarks.common import (
     produce_url,
     rss_anon_bytes,
     rss_bytes,
+    set_retention,
     wait_caught_up,
 )
 from benchmarks.loadgen import closed_loop
@@ -149,16 +148,7 @@ def _snapshot_growth(
     }
     rows: list[dict[str, Any]] = []
     with cluster(ctx, voters=3, settings=settings) as (lc, leader):
-        r = http_request(
-            lc.http(leader),
-            "PUT",
-            "/v1/retention",
-            orjson.dumps({"max_bytes": window * fmt, "max_age_ms": 0}),
-            timeout_s=10,
-            headers={"Content-Type": "application/json", **lc.admin_headers()},
-        )
-        if r.status != 200:
-            raise RuntimeError(f"setting retention failed: {r.status} {r.body[:200]!r}")
+        set_retention(lc, lc.http(leader), window * fmt)
         stored = 0
         away: int | None = None
         for i, cp in enumerate(checkpoints):

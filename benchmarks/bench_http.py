@@ -12,14 +12,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import orjson
-
 from benchmarks.bench_core import peer_key
-from benchmarks.common import cluster, produce_body, produce_url
+from benchmarks.common import cluster, produce_body, produce_url, set_retention
 from benchmarks.loadgen import closed_loop, open_loop
 from benchmarks.profiling import profile_leader
 from benchmarks.registry import BenchResult, Context, Figure, Series, benchmark
-from dledger.cluster import http_request
 
 SHAPES: dict[str, dict[str, int]] = {
     # msgs per request, closed-loop concurrency, open-loop connection pool
@@ -50,16 +47,7 @@ def _snapshot_point(
     with cluster(ctx, voters=3, settings=settings) as (lc, leader):
         addr = lc.http(leader)
         keep = max(1, entries * msgs // 4) * RECORD_BYTES
-        r = http_request(
-            addr,
-            "PUT",
-            "/v1/retention",
-            orjson.dumps({"max_bytes": keep, "max_age_ms": 0}),
-            timeout_s=10,
-            headers={"Content-Type": "application/json", **lc.admin_headers()},
-        )
-        if r.status != 200:
-            raise RuntimeError(f"setting retention failed: {r.status} {r.body[:200]!r}")
+        set_retention(lc, addr, keep)
         url, body = produce_url(addr), produce_body(msgs, PAYLOAD)
         asyncio.run(
             closed_loop(

@@ -53,6 +53,20 @@ def cluster(
         lc.down()
 
 
+def set_retention(lc: LocalCluster, addr: str, max_bytes: int) -> None:
+    """Retention by size only (no age limit), through the node at ``addr``."""
+    r = http_request(
+        addr,
+        "PUT",
+        "/v1/retention",
+        orjson.dumps({"max_bytes": max_bytes, "max_age_ms": 0}),
+        timeout_s=10,
+        headers={"Content-Type": "application/json", **lc.admin_headers()},
+    )
+    if r.status != 200:
+        raise RuntimeError(f"setting retention failed: {r.status} {r.body[:200]!r}")
+
+
 def create_topic(addr: str, name: str, queues: int) -> None:
     body = orjson.dumps({"name": name, "queues": queues})
     deadline = time.monotonic() + 30

@@ -144,7 +144,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, Literal, TypeAlias
 
@@ -842,8 +842,8 @@ class LmdbStorage:
 
     def conf_entries(self, lo: int, hi: int) -> list[Entry]:
         """The CONF_CHANGE entries in [lo, hi), in order. Only each record's
-        header is read (a parted record's first part); the entries found are
-        decoded and CRC-checked in full. A start reads the membership changes
+        header is read (a parted record, never one of them, not at all); the
+        entries found are decoded and CRC-checked in full. A start reads the membership changes
         after the snapshot this way, not the whole retained log (which is the
         CommitLog: gigabytes)."""
         if lo <= self._offset:
@@ -854,31 +854,19 @@ class LmdbStorage:
         conf = int(EntryType.CONF_CHANGE)
         if lo < durable_hi:
             try:
-                with self._env.begin(buffers=True) as txn:
-                    cur = txn.cursor(db=self._log_db)
-                    if not cur.set_key(_KEY.pack(lo)):
-                        raise self._corrupt(lo, "the record is missing")
-                    expect = lo
-                    for key, value in cur.iternext():
-                        index = _unkey(key)
-                        if index != expect:
-                            raise self._corrupt(expect, "the record is missing (the log has a gap)")
+                with self._env.begin(db=self._log_db, buffers=True) as txn:
+                    for index, value in self._durable_values(txn, lo, durable_hi):
                         # A stub stands for a record longer than _INLINE_MAX:
                         # never a membership change (48 bytes; _apply_batch
                         # refuses to part one). Otherwise the entry type is
                         # the header's fourth byte; a record too short to say
                         # is decoded (and reported) in full.
                         if value[:2] == _STUB_MAGIC:
-                            pass
-                        elif len(value) < 4 or value[3] == conf:
+                            continue
+                        if len(value) < 4 or value[3] == conf:
                             e = self._decode(value, index, txn)
                             if e.type is EntryType.CONF_CHANGE:
                                 out.append(e)
-                        expect += 1
-                        if expect == durable_hi:
-                            break
-                    if expect != durable_hi:
-                        raise self._corrupt(expect, "the record is missing")
             except _LMDB_DAMAGE as exc:
                 raise self._corrupt(lo, f"LMDB reported damage while reading: {exc}") from exc
         for e in self._pending[max(lo, self._limit) - self._limit : hi - self._limit]:
@@ -892,25 +880,34 @@ class LmdbStorage:
         total = 0
         try:
             with self._env.begin(db=self._log_db, buffers=True) as txn:
-                cur = txn.cursor()
-                if not cur.set_key(_KEY.pack(lo)):
-                    raise self._corrupt(lo, "the record is missing")
-                expect = lo
-                for key, value in cur.iternext():
-                    index = _unkey(key)
-                    if index != expect:
-                        raise self._corrupt(expect, "the record is missing (the log has a gap)")
+                for index, value in self._durable_values(txn, lo, hi):
                     e = self._decode(value, index, txn)
                     total += len(e.data)
                     if max_bytes is not None and total > max_bytes and out:
                         return total - len(e.data)
                     out.append(e)
-                    expect += 1
-                    if expect == hi:
-                        return total
-                raise self._corrupt(expect, "the record is missing")
+                return total
         except _LMDB_DAMAGE as exc:
             raise self._corrupt(lo, f"LMDB reported damage while reading: {exc}") from exc
+
+    def _durable_values(
+        self, txn: lmdb.Transaction[Any], lo: int, hi: int
+    ) -> Iterator[tuple[int, memoryview]]:
+        """The stored values of durable records lo..hi-1 in order, raising
+        StorageCorrupted for a missing one (a gap, or an end before hi)."""
+        cur = txn.cursor(db=self._log_db)
+        if not cur.set_key(_KEY.pack(lo)):
+            raise self._corrupt(lo, "the record is missing")
+        expect = lo
+        for key, value in cur.iternext():
+            index = _unkey(key)
+            if index != expect:
+                raise self._corrupt(expect, "the record is missing (the log has a gap)")
+            yield index, value
+            expect += 1
+            if expect == hi:
+                return
+        raise self._corrupt(expect, "the record is missing")
 
     def _entry(self, index: int) -> Entry:
         """Entry ``index`` (offset < index <= last) from the logical view."""

@@ -41,8 +41,9 @@ from benchmarks import (  # noqa: F401
     bench_looplag,
     bench_peers,
     bench_read,
+    bench_spark,
 )
-from benchmarks.goals import evaluate, max_load1
+from benchmarks.goals import fmt_value, evaluate, max_load1
 from benchmarks.registry import REGISTRY, Context, Figure, Skipped
 from benchmarks.report import write_html, write_markdown, write_plots
 
@@ -191,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     )
     for g in results["goals"]:
         status = {True: "met", False: "NOT MET", None: "n/a"}[g["met"]]
-        v = "-" if g["value"] is None else f"{g['value']:.3g} {g['unit']}"
+        v = "-" if g["value"] is None else f"{fmt_value(g['value'])} {g['unit']}"
         ctx.log(f"goal {status:7s} {g['goal']}: {v} (target {g['target']})")
     return 1 if failed else 0
 

@@ -34,7 +34,7 @@ def _goal(
     }
 
 
-def _fmt(v: float) -> str:
+def fmt_value(v: float) -> str:
     return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
 
@@ -48,7 +48,7 @@ def _ratio(
     lo = a.min / b.max if b.max else float("nan")
     hi = a.max / b.min if b.min else float("nan")
     return r, (
-        f"{_fmt(a.median)} {a.unit} vs {peer_name} {_fmt(b.median)} {b.unit} "
+        f"{fmt_value(a.median)} {a.unit} vs {peer_name} {fmt_value(b.median)} {b.unit} "
         f"(ratio range over repeats {lo:.2f}-{hi:.2f}, n={min(a.n, b.n)})"
     )
 
@@ -239,6 +239,22 @@ def _peer_goals(figs: dict[str, Figure]) -> list[dict[str, Any]]:
                 + (f"; for reference {', '.join(refs)}" if refs else "")
             )
             if idle
+            else "not measured in this run",
+        )
+    )
+    sp = figs.get("spark_read.arrow.count_msg_per_s")
+    out.append(
+        _goal(
+            "Spark batch source: messages/s into df.count() (Arrow pages)",
+            ">= 500,000 msg/s",
+            sp.median if sp and sp.n else None,
+            "msg/s",
+            None if sp is None or not sp.n else sp.median >= 500_000,
+            (
+                f"{sp.config.get('messages'):,} messages, {sp.config.get('partitions')} "
+                f"partitions; repeats {sp.min:,.0f}-{sp.max:,.0f} msg/s"
+            )
+            if sp and sp.n
             else "not measured in this run",
         )
     )

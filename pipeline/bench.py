@@ -101,6 +101,7 @@ def run(
             "median_msgs_per_s": round(messages / statistics.median(ts)),
             "best_msgs_per_s": round(messages / min(ts)),
             "median_s": round(statistics.median(ts), 3),
+            "msgs_per_s": [round(messages / t) for t in ts],
         }
 
     return {

@@ -43,7 +43,7 @@ from benchmarks import (  # noqa: F401
     bench_read,
     bench_spark,
 )
-from benchmarks.goals import fmt_value, evaluate, max_load1
+from benchmarks.goals import evaluate, fmt_value, max_load1
 from benchmarks.registry import REGISTRY, Context, Figure, Skipped
 from benchmarks.report import write_html, write_markdown, write_plots
 

@@ -177,6 +177,10 @@ def _no_work(kind: str, n: int) -> None:
     return None
 
 
+# See NodeEnv.inline_sync_bytes.
+INLINE_SYNC_BYTES = 256 << 10
+
+
 @dataclass(slots=True)
 class NodeEnv:
     """The node's runtime environment; see the module docstring."""
@@ -189,6 +193,10 @@ class NodeEnv:
     work: Callable[[str, int], None] = _no_work
     # CPU time of the calling thread (a metric only: the simulator keeps it)
     cpu_clock: Callable[[], float] = time.thread_time
+    # A group commit of at most this many entry bytes (and no snapshot or
+    # checkpoint) runs on the loop instead of through ``offload``; 0 sends
+    # every one through ``offload`` (the simulator does, to inject its delays).
+    inline_sync_bytes: int = INLINE_SYNC_BYTES
 
 
 def production_env() -> NodeEnv:

@@ -96,7 +96,7 @@ def run(
     finally:
         spark.stop()
 
-    def rate(ts: list[float]) -> dict[str, float]:
+    def rate(ts: list[float]) -> dict[str, Any]:
         return {
             "median_msgs_per_s": round(messages / statistics.median(ts)),
             "best_msgs_per_s": round(messages / min(ts)),

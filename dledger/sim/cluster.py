@@ -384,6 +384,7 @@ class Simulation:
             open_storage=host.open_storage,
             make_transport=host.make_transport,
             work=host.work,
+            inline_sync_bytes=0,  # every sync through offload: its delays are the model
         )
         node = Node(self.node_config(nid, max_apply), host.sm, env)
         host.node = node

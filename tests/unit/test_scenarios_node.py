@@ -206,6 +206,7 @@ class Solo:
         self.storage: Crashable | None = None
         self.sm = LogStateMachine()
         self.crash_at_sync: int | None = None  # for the next start only
+        self.inline_sync_bytes = NodeEnv().inline_sync_bytes
 
     def _open(self, c: NodeConfig) -> tuple[NodeStorage, Callable[[], None]]:
         real, release = open_lmdb_storage(c)
@@ -216,7 +217,11 @@ class Solo:
     async def start(self) -> Node:
         self.peers = FakePeers()
         self.sm = LogStateMachine()
-        env = NodeEnv(make_transport=self.peers.make, open_storage=self._open)
+        env = NodeEnv(
+            make_transport=self.peers.make,
+            open_storage=self._open,
+            inline_sync_bytes=self.inline_sync_bytes,
+        )
         node = Node(self.cfg, self.sm, env)
         await node.start()
         return node
@@ -325,16 +330,21 @@ async def test_a_granted_vote_is_on_disk_when_the_grant_leaves(
 # -- scenario 11: acknowledged means synced ------------------------------------
 
 
+@pytest.mark.parametrize("inline", [True, False], ids=["sync-on-loop", "sync-in-thread"])
 @pytest.mark.parametrize("planted", [False, True], ids=["node", "planted-early-send"])
 async def test_a_follower_acknowledges_only_entries_on_disk(
-    tmp_path: Path, planted: bool, early_vote_resp: Callable[[MsgType], None]
+    tmp_path: Path, planted: bool, inline: bool, early_vote_resp: Callable[[MsgType], None]
 ) -> None:
     """Kill a follower at the instant its APP_RESP leaves: every entry it
     acknowledged is on disk (the leader counts that reply toward commit).
-    With the reply planted into the early sends the crash loses them."""
+    With the reply planted into the early sends the crash loses them. Both
+    ways a follower syncs hold it: a small batch on the loop, a batch over
+    ``inline_sync_bytes`` in a thread."""
     if planted:
         early_vote_resp(MsgType.APP_RESP)
     h = Solo(tmp_path)
+    if not inline:
+        h.inline_sync_bytes = 4  # the three entries' data is 15 bytes
     n = await h.start()
     ents = chain([1, 1, 1])
     try:
@@ -342,6 +352,7 @@ async def test_a_follower_acknowledges_only_entries_on_disk(
         h.peers.inject(Message(MsgType.APP, 1, 2, 1, log_term=0, index=0, entries=ents))
         await until(lambda: any(m.type is MsgType.APP_RESP for m in h.peers.sent), what="ack")
         assert [m.index for m in h.peers.sent if m.type is MsgType.APP_RESP] == [3]
+        assert (n.counters["inline_syncs"] > 0) is inline, n.counters
     finally:
         await n.stop()
     _, on_disk = h.on_disk()

@@ -1106,19 +1106,14 @@ class Node:
         and CPU. The leader keeps its thread: its fsync runs beside the
         followers' and overlaps HTTP parsing. A snapshot, a staged
         checkpoint or a batch over ``env.inline_sync_bytes`` goes to a
-        thread anyway, so the loop never blocks on writing megabytes.
-        Measured in issue 17's note (``inline_syncs`` counts them)."""
+        thread anyway (``small_batch``: retention's deletions and the
+        state's checkpoint rows count too), so the loop never blocks on
+        writing megabytes. Measured in issue 17's note (``inline_syncs`` counts them)."""
         limit = self.env.inline_sync_bytes
-        if limit <= 0 or self.role is Role.LEADER:
+        if limit <= 0 or self.role is Role.LEADER or rd.snapshot is not None:
             return False
-        if rd.snapshot is not None or self._ckpt_seq is not None:
-            return False
-        size = 0
-        for e in rd.entries:
-            size += len(e.data)
-            if size > limit:
-                return False
-        return True
+        st = self._storage
+        return st is not None and st.small_batch(limit)
 
     def _install_snapshot(
         self, st: NodeStorage, snap: Snapshot, restored: Callable[[], None] | None = None

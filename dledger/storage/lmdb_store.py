@@ -1205,6 +1205,31 @@ class LmdbStorage:
             self._batch_snap_header = None
             self._remove_stale_snapshot_files()
 
+    def small_batch(self, max_bytes: int) -> bool:
+        """Whether the buffered batch is a small append: new entries and side
+        rows of at most ``max_bytes`` together, and nothing deleted at either
+        end of the log or a snapshot to record. Such a commit touches a few
+        pages, so its caller may run :meth:`sync` without a thread hop."""
+        if self._snap_pending is not None or self._front_dirty:
+            return False
+        if self._limit <= self._durable_last:
+            return False  # a truncation at the back
+        size = 0
+        for e in self._pending:
+            size += len(e.data)
+            if size > max_bytes:
+                return False
+        for rows in self._side_pending.values():
+            size += 32 * len(rows)  # keys and small values: a bound, not exact
+            if size > max_bytes:
+                return False
+            for v in rows.values():
+                if v is not None and len(v) > 32:
+                    size += len(v)
+            if size > max_bytes:
+                return False
+        return True
+
     def _write(self, apply: _TxnFn) -> None:
         """Run ``apply`` in one write transaction, growing the map and
         replaying on MapFullError. ``apply`` must not change any state

@@ -117,6 +117,10 @@ class MemoryStorage:
         self._hs = hs
 
     # -- durability --------------------------------------------------------
+    def small_batch(self, max_bytes: int) -> bool:
+        """No I/O here: every batch is cheap to sync."""
+        return True
+
     def sync(self) -> None:
         self._durable = (
             list(self._entries),

@@ -899,6 +899,16 @@ class DurableBodies(LmdbBodies):
     def put(self, phys: int, rec: bytes) -> None:
         raise TypeError("records stay in the log: put_entry, not put")
 
+    def delete(self, phys: int) -> None:
+        """Retention dropped the record at ``phys``. One in the log goes with
+        its entry when the log is compacted: only the archive (records
+        restored from a format-1 snapshot) has a row to delete. Before, every
+        dropped message staged a delete of a row that never existed, and
+        each checkpoint's commit looked each one up (issue 17: a third of the
+        leader's commit time with retention dropping 20,000 messages/s)."""
+        if phys < self._archive_end:
+            super().delete(phys)
+
     # -- the ConsumeQueue: CRC-checked blocks ------------------------------------
     def index_put(self, qid: int, off: int, entry: IndexEntry) -> None:
         self._cq.put(qid, off, entry)

@@ -25,7 +25,7 @@ from broker_adapter import (
 )
 from broker_adapter.bodies import DurableBodies
 from broker_adapter.node_sm import BrokerStateMachine
-from dledger.core.types import Entry
+from dledger.core.types import ClusterConfig, Entry, Snapshot, SnapshotMeta
 from dledger.statemachine import DurableStateMachine, SnapshotError
 from dledger.storage.lmdb_store import LmdbStorage
 from tests.broker.helpers import Log, replay
@@ -449,3 +449,57 @@ def test_a_store_damaged_while_down_is_refused_at_load(tmp_path: Path) -> None:
             txn.put(key, bytes(raw), db=db)
         assert durable_sm(storage).load_checkpoint() == 11
         storage.close()
+
+
+def test_retention_deletes_archived_records_and_stages_nothing_for_logged_ones(
+    tmp_path: Path,
+) -> None:
+    """Records restored from a snapshot that carries them (the archive) are
+    deleted from disk when retention drops them. Records read from the log
+    have no row of their own: dropping them stages no record change (each
+    one used to cost a lookup in the checkpoint's commit). Both answer like
+    the in-memory store throughout."""
+    log = _produce_log(30)
+    leader_sm = BrokerStateMachine(broker_name="test")
+    for e in log.entries:
+        leader_sm.apply(e)
+    snap = leader_sm.snapshot()
+    storage = open_log(tmp_path / "log")
+    staged: list[dict[bytes, dict[bytes, bytes | None]]] = []
+    stage = storage.stage
+
+    def spy(changes: dict[bytes, dict[bytes, bytes | None]]) -> int:
+        staged.append({k: dict(v) for k, v in changes.items()})
+        return stage(changes)
+
+    storage.stage = spy  # type: ignore[method-assign]
+    sm = durable_sm(storage)
+    last = log.entries[-1]
+    meta = SnapshotMeta(last.index, last.term, last.end_pos, ClusterConfig((1,)))
+    storage.apply_snapshot(Snapshot(meta, snap))  # the log continues after it
+    sm.restore(snap)
+    sm.checkpoint()
+    storage.sync()
+    archived = storage.side_db(b"records")
+    with storage.env.begin() as txn:
+        before = txn.stat(archived)["entries"]
+    assert before > 0, "the snapshot's records are in the archive"
+    # new records, in this replica's log, after the archived ones
+    ts = 9000
+    more = [log.add(encode_produce("t", [Message(body=b"y" * 30)] * 40, ts))]
+    feed(storage, sm, more)
+    staged.clear()
+    # keep about the newest 20 records: every archived one goes, then logged ones
+    feed(storage, sm, [log.add(encode_retention(ts, 20 * 60, 0))])
+    seq = sm.checkpoint()
+    storage.sync()
+    assert sm.checkpoint_durable(seq)
+    mem, _ = replay(log.entries)
+    assert answers(sm.broker) == answers(mem)
+    with storage.env.begin() as txn:
+        assert txn.stat(archived)["entries"] == 0, "archived records dropped on disk"
+    record_changes = [c.get(b"records", {}) for c in staged]
+    assert sum(len(c) for c in record_changes) == before, (
+        "exactly the archived records are deleted; logged ones stage nothing"
+    )
+    storage.close()

@@ -119,6 +119,13 @@ async def read_body(request: web.Request, limits: HttpLimits) -> bytes:
     if declared is not None and declared > cap:
         raise _too_large(cap, "declares")
     encoding = content_encoding(request)
+    if encoding == "identity" and request.content.is_eof():
+        # The whole body came with the headers (the usual case for a small
+        # request): nothing left to wait for, so no timer to arm and cancel.
+        raw = await request.content.read()
+        if len(raw) > cap:
+            raise _too_large(cap, "holds")
+        return raw
     inflater: Any = None
     if encoding in ("gzip", "x-gzip"):
         inflater = zlib.decompressobj(31)

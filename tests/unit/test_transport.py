@@ -647,6 +647,34 @@ async def test_idle_authenticated_connection_is_dropped(make: Factory) -> None:
     assert a.stats["idle_timeouts"] == 1
 
 
+async def test_a_link_goes_idle_only_after_its_last_frame(make: Factory) -> None:
+    """The idle timeout counts from the last byte received, not from when
+    the connection opened or when the timer was last moved: a peer that
+    talks for four timeouts stays, and is dropped within 1.25 timeouts
+    (plus scheduling) once it falls silent, never sooner than one."""
+    idle = 0.2
+    a, got = await make(
+        1, peers={2: ("127.0.0.1", free_port())}, keepalive_interval=0.05, idle_timeout=idle
+    )
+    raw = await RawDialer.connect(a.port)
+    await raw.handshake(2, 1, SECRET)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    n = 0
+    while loop.time() - start < 4 * idle:
+        n += 1
+        raw.write(raw.enc.encode(FrameKind.DATA, b"%d" % n))
+        await asyncio.sleep(idle / 7)
+    last = loop.time()
+    await eventually(lambda: len(got) == n)
+    assert a.stats["idle_timeouts"] == 0
+    await read_until_closed(raw.reader)
+    silent = loop.time() - last
+    await raw.close()
+    assert a.stats["idle_timeouts"] == 1
+    assert idle * 0.95 <= silent <= idle * 1.25 + 0.15, silent
+
+
 async def test_on_message_errors_are_counted_not_fatal(make: Factory) -> None:
     got: list[bytes] = []
 

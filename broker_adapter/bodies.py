@@ -864,6 +864,7 @@ class DurableBodies(LmdbBodies):
         self._pos_db: lmdb._Database | None = None
         self._cq = _BlockIndex(self)
         self._cq_staged: list[tuple[int, dict[bytes, bytes | None]]] = []
+        self._read_cache: _EntryCache | None = None  # inside reading()
         # Set while a snapshot is restored into this store from a worker
         # thread: reads answer "catching up" instead of seeing it half done.
         self.restoring = False
@@ -983,11 +984,29 @@ class DurableBodies(LmdbBodies):
                 )
         return _slice(e, phys, size)
 
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """One read transaction and one entry cache for every read inside:
+        a page of messages read one by one (``get``) decodes each log entry
+        once. Before, every message of a JSON page re-read, re-joined and
+        re-checked its whole entry: 1,000 messages of one produce cost 1,000
+        entry reads (issue 17: 5,500 messages/s for JSON pages)."""
+        if self._read_cache is not None:  # nested: the outer one serves
+            yield
+            return
+        self._read_cache = _EntryCache()
+        try:
+            with super().reading():
+                yield
+        finally:
+            self._read_cache = None
+
     def get(self, phys: int) -> bytes:
         self._not_restoring()
         if phys < self._archive_end:
             return super().get(phys)
-        return self._from_log(phys, None, _EntryCache())
+        cache = self._read_cache
+        return self._from_log(phys, None, cache if cache is not None else _EntryCache())
 
     def get_many(self, phys: Sequence[int], sizes: Sequence[int] | None = None) -> list[bytes]:
         self._not_restoring()

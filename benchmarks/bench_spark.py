@@ -18,7 +18,6 @@ from benchmarks.registry import BenchResult, Context, Figure, Skipped, benchmark
 
 PAYLOAD = 100
 QUEUES = 4
-GOAL_MSGS_PER_S = 500_000
 
 
 @benchmark(
@@ -50,7 +49,6 @@ def run_spark_read(ctx: Context) -> BenchResult:
         "queues": QUEUES,
         "partitions": arrow["input_partitions"],
         "master": "local[*]",
-        "goal_msgs_per_s": GOAL_MSGS_PER_S,
     }
     res = BenchResult()
     res.figures.append(

@@ -1010,9 +1010,10 @@ class DurableBodies(LmdbBodies):
 
     def get_many(self, phys: Sequence[int], sizes: Sequence[int] | None = None) -> list[bytes]:
         self._not_restoring()
-        cache = _EntryCache()
         out: list[bytes] = []
         with self.reading():
+            cache = self._read_cache
+            assert cache is not None
             for k, p in enumerate(phys):
                 size = sizes[k] if sizes is not None else None
                 if p < self._archive_end:

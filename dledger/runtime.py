@@ -194,9 +194,10 @@ class NodeEnv:
     work: Callable[[str, int], None] = _no_work
     # CPU time of the calling thread (a metric only: the simulator keeps it)
     cpu_clock: Callable[[], float] = time.thread_time
-    # A group commit of at most this many entry bytes (and no snapshot or
-    # checkpoint) runs on the loop instead of through ``offload``; 0 sends
-    # every one through ``offload`` (the simulator does, to inject its delays).
+    # A follower's group commit the storage calls small (``small_batch`` of
+    # this many bytes) runs on the loop instead of through ``offload``; 0
+    # sends every one through ``offload`` (the simulator does, to inject its
+    # delays).
     inline_sync_bytes: int = INLINE_SYNC_BYTES
 
 

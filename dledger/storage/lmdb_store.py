@@ -842,10 +842,10 @@ class LmdbStorage:
 
     def conf_entries(self, lo: int, hi: int) -> list[Entry]:
         """The CONF_CHANGE entries in [lo, hi), in order. Only each record's
-        header is read (a parted record, never one of them, not at all); the
-        entries found are decoded and CRC-checked in full. A start reads the membership changes
-        after the snapshot this way, not the whole retained log (which is the
-        CommitLog: gigabytes)."""
+        header is read, and a parted record (never a membership change) not
+        even that; the entries found are decoded and CRC-checked in full. A
+        start reads the membership changes after the snapshot this way, not
+        the whole retained log (which is the CommitLog: gigabytes)."""
         if lo <= self._offset:
             raise Compacted(f"index {lo} is compacted (first index {self._offset + 1})")
         hi = min(hi, self._last + 1)
@@ -1220,14 +1220,10 @@ class LmdbStorage:
             if size > max_bytes:
                 return False
         for rows in self._side_pending.values():
-            size += 32 * len(rows)  # keys and small values: a bound, not exact
-            if size > max_bytes:
-                return False
             for v in rows.values():
-                if v is not None and len(v) > 32:
-                    size += len(v)
-            if size > max_bytes:
-                return False
+                size += 32 if v is None else 32 + len(v)  # 32: a key, roughly
+                if size > max_bytes:
+                    return False
         return True
 
     def _write(self, apply: _TxnFn) -> None:

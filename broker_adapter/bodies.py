@@ -685,7 +685,11 @@ class _BlockIndex:
         return p, size, tag, ts
 
     def many(self, qid: int, lo: int, hi: int) -> list[IndexEntry]:
-        out: list[IndexEntry] = []
+        return list(_IVAL.iter_unpack(self.many_raw(qid, lo, hi)))
+
+    def many_raw(self, qid: int, lo: int, hi: int) -> bytes:
+        """Entries [lo, hi) as their packed rows (:data:`_IVAL`), joined."""
+        parts: list[bytes] = []
         off = lo
         while off < hi:
             key, i = self.key(qid, off)
@@ -693,9 +697,9 @@ class _BlockIndex:
             blk = self._block(key)
             if blk is None or len(blk) < (i + n) * _UNIT:
                 raise BodyMissing(f"no index entry for queue {qid} offset {off}")
-            out.extend(_IVAL.iter_unpack(bytes(blk[i * _UNIT : (i + n) * _UNIT])))
+            parts.append(bytes(blk[i * _UNIT : (i + n) * _UNIT]))
             off += n
-        return out
+        return b"".join(parts)
 
     def delete(self, qid: int, lo: int, hi: int) -> None:
         """Entries [lo, hi) are gone, and (retention drops from the head,
@@ -926,6 +930,12 @@ class DurableBodies(LmdbBodies):
         self._not_restoring()
         return self._cq.many(qid, lo, hi)
 
+    def index_raw(self, qid: int, lo: int, hi: int) -> bytes:
+        """:meth:`index_many` as the packed rows (:data:`_IVAL`, joined),
+        for a columnar read."""
+        self._not_restoring()
+        return self._cq.many_raw(qid, lo, hi)
+
     def index_delete(self, qid: int, lo: int, hi: int) -> None:
         self._cq.delete(qid, lo, hi)
 
@@ -964,6 +974,11 @@ class DurableBodies(LmdbBodies):
                 txn.abort()
 
     def _from_log(self, phys: int, size: int | None, cache: _EntryCache) -> bytes:
+        return _slice(self._entry_at(phys, cache), phys, size)
+
+    def _entry_at(self, phys: int, cache: _EntryCache) -> Entry:
+        """The log entry holding CommitLog position ``phys`` (the cached one
+        when it does), read and CRC-checked by the storage."""
         e = cache.entry
         if e is None or not e.pos <= phys < e.end_pos:
             index = self.index_of(phys)
@@ -982,7 +997,28 @@ class DurableBodies(LmdbBodies):
                     f"the entry map names entry {e.index} [{e.pos}, {e.end_pos}) "
                     f"for physical offset {phys}"
                 )
-        return _slice(e, phys, size)
+        return e
+
+    def page_entries(self, phys: Sequence[int]) -> list[tuple[Entry, int]] | None:
+        """The log entries holding the records at ``phys`` (ascending), in
+        order, each with the end of its run: entry ``j`` holds
+        ``phys[k[j-1]:k[j]]``. One entry read per entry, not per record (a
+        columnar page slices the records itself). None when a record is in
+        the archive (a row of its own, not in the log): read those one by
+        one. Raises as :meth:`get_many` does."""
+        self._not_restoring()
+        if not len(phys) or phys[0] < self._archive_end:
+            return None
+        out: list[tuple[Entry, int]] = []
+        with self.reading():
+            cache = self._read_cache
+            assert cache is not None
+            k, n = 0, len(phys)
+            while k < n:
+                e = self._entry_at(int(phys[k]), cache)
+                k = bisect.bisect_left(phys, e.end_pos, k + 1)
+                out.append((e, k))
+        return out
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:

@@ -695,6 +695,22 @@ class RecordColumns:
     prop_keys: list[str] = field(default_factory=list)
     prop_values: list[str] = field(default_factory=list)
     bodies: list[bytes] = field(default_factory=list)
+    # A page of plain records only (broker_adapter.columnar): the bodies as
+    # Arrow's binary layout instead of ``bodies`` (n + 1 offsets into
+    # ``body_data``); tags all None, no keys or properties.
+    body_offsets: Sequence[int] | None = None
+    body_data: bytes | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.body_data is not None
+
+    def body_list(self) -> list[bytes]:
+        """The bodies, one ``bytes`` each, whichever way they are held."""
+        if self.body_data is None or self.body_offsets is None:
+            return self.bodies
+        o, d = [int(x) for x in self.body_offsets], self.body_data
+        return [d[o[i] : o[i + 1]] for i in range(len(o) - 1)]
 
     def add(self, rec: Record) -> None:
         self.born_ts_ms.append(rec.born_ts_ms)
@@ -714,6 +730,7 @@ class RecordColumns:
 _REC_PLAIN = struct.Struct(">HHHHI")
 _PLAIN_AT = _REC_FIXED.size
 _PLAIN_BODY_AT = _REC_FIXED.size + _REC_PLAIN.size
+PLAIN_BODY_AT = _PLAIN_BODY_AT  # where a plain record's body starts (broker_adapter.columnar)
 
 
 def decode_columns(recs: Sequence[bytes]) -> RecordColumns:

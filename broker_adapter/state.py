@@ -37,16 +37,18 @@ included) that applied the same entries holds the same state, so
 from __future__ import annotations
 
 import heapq
+import importlib
 import struct
 import sys
 import zlib
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import overload
 
 from broker_adapter import codec
-from broker_adapter.bodies import Bodies, BodyMissing, MemoryBodies, RecordNotHere
+from broker_adapter.bodies import Bodies, BodyMissing, DurableBodies, MemoryBodies, RecordNotHere
 from broker_adapter.codec import (
     Command,
     CommandKind,
@@ -343,6 +345,21 @@ class _Producer:
     epoch: int
     last_ts: int
     seqs: dict[tuple[str, int], _Seq] = field(default_factory=dict)
+
+
+_COLUMNAR: list[ModuleType | None] = []
+
+
+def _columnar() -> ModuleType | None:
+    """:mod:`broker_adapter.columnar`, imported on the first columnar read
+    (it needs numpy, which a node serving only JSON never loads); None
+    without numpy."""
+    if not _COLUMNAR:
+        try:
+            _COLUMNAR.append(importlib.import_module("broker_adapter.columnar"))
+        except ImportError:
+            _COLUMNAR.append(None)
+    return _COLUMNAR[0]
 
 
 def _u64_bytes(a: array[int]) -> bytes:
@@ -896,6 +913,9 @@ class BrokerState:
             )
         cq, lo, hi = self._read_range(topic, queue, offset)
         n = max(0, min(max_messages, hi - offset))
+        plain = self._plain_columns(cq, offset, n, max_bytes, lo, hi)
+        if plain is not None:
+            return plain
         with self.bodies.reading():
             try:
                 entries = self.bodies.index_many(cq.qid, offset, offset + n)
@@ -939,6 +959,55 @@ class BrokerState:
             self._id_prefix,
             recs,
             offset + len(phys),
+            lo,
+            hi,
+        )
+
+    def _plain_columns(
+        self, cq: _Queue, offset: int, n: int, max_bytes: int, lo: int, hi: int
+    ) -> ReadColumns | None:
+        """:meth:`read_columns`' page decoded per page and per log entry
+        with numpy (:mod:`broker_adapter.columnar`), when the records are in
+        the log and all plain; else None, and the caller decodes them one by
+        one. An error is None too: the general path meets it again and
+        reports it with the record at fault."""
+        bodies = self.bodies
+        if not n or not isinstance(bodies, DurableBodies):
+            return None
+        columnar = _columnar()
+        if columnar is None:
+            return None
+        try:
+            with bodies.reading():
+                page = columnar.index_page(
+                    bodies.index_raw(cq.qid, offset, offset + n), offset, max_bytes
+                )
+                if not columnar.ascending(page.phys):
+                    return None
+                entries = bodies.page_entries(page.phys)
+        except (BodyMissing, StorageCorrupted):
+            return None
+        if entries is None:
+            return None
+        recs = columnar.plain_records(entries, page.phys, page.sizes)
+        if recs is None:
+            return None
+        k = len(page.phys)
+        return ReadColumns(
+            page.offsets,
+            page.phys,
+            page.sizes,
+            page.stamps,
+            self._id_prefix,
+            RecordColumns(
+                born_ts_ms=recs.born_ts_ms,
+                tags=[None] * k,
+                key_offsets=[0] * (k + 1),
+                prop_offsets=[0] * (k + 1),
+                body_offsets=recs.body_offsets,
+                body_data=recs.body_data,
+            ),
+            offset + k,
             lo,
             hi,
         )

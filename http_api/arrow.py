@@ -125,6 +125,8 @@ def record_batch(pa: Any, topic: str, queue: int, cols: ReadColumns) -> Any:
     n = len(cols)
     r = cols.records
     ts = pa.timestamp("ms", tz="UTC")
+    if r.body_data is not None:
+        return _plain_batch(pa, topic, queue, cols)
     arrays = [
         pa.repeat(pa.scalar(topic, pa.string()), n),
         pa.repeat(pa.scalar(queue, pa.int32()), n),
@@ -148,16 +150,51 @@ def record_batch(pa: Any, topic: str, queue: int, cols: ReadColumns) -> Any:
     return pa.RecordBatch.from_arrays(arrays, schema=schema(pa))
 
 
+def _plain_batch(pa: Any, topic: str, queue: int, cols: ReadColumns) -> Any:
+    """:func:`record_batch` of a page of plain records (their columns as
+    numpy arrays and the bodies as one buffer, :mod:`broker_adapter.columnar`):
+    every column is built from buffers, none from a Python object per
+    message."""
+    n = len(cols)
+    r = cols.records
+    ts = pa.timestamp("ms", tz="UTC")
+    # every list and map empty: n + 1 zero offsets
+    no_items = pa.Array.from_buffers(pa.int32(), n + 1, [None, pa.py_buffer(bytes(4 * (n + 1)))])
+    arrays = [
+        pa.repeat(pa.scalar(topic, pa.string()), n),
+        pa.repeat(pa.scalar(queue, pa.int32()), n),
+        pa.array(cols.queue_offsets, pa.int64()),
+        pa.array(cols.phys_offsets, pa.int64()),
+        pa.array(cols.sizes, pa.int32()),
+        _msg_ids(pa, cols.id_prefix, cols.phys_offsets),
+        pa.array(cols.store_ts_ms, ts),
+        pa.array(r.born_ts_ms, ts),
+        pa.nulls(n, pa.string()),
+        pa.ListArray.from_arrays(no_items, pa.array([], pa.string())),
+        pa.MapArray.from_arrays(no_items, pa.array([], pa.string()), pa.array([], pa.string())),
+        pa.Array.from_buffers(
+            pa.binary(),
+            n,
+            [None, pa.py_buffer(r.body_offsets), pa.py_buffer(r.body_data)],
+        ),
+    ]
+    return pa.RecordBatch.from_arrays(arrays, schema=schema(pa))
+
+
 def _msg_ids(pa: Any, prefix: str, phys: Sequence[int]) -> Any:
     """``prefix`` then each physical offset in 16 upper-case hex digits
     (:meth:`ReadColumns.msg_ids`), as a string array built from one buffer:
     the offsets packed big-endian and hexlified together, then laid out
     prefix by prefix with strided copies."""
     n = len(phys)
-    packed = array("Q", phys)
-    if sys.byteorder == "little":
-        packed.byteswap()
-    digits = binascii.hexlify(packed.tobytes()).upper()
+    if hasattr(phys, "astype"):  # a numpy array (a page of plain records)
+        be = phys.astype(">u8").tobytes()
+    else:
+        packed = array("Q", phys)
+        if sys.byteorder == "little":
+            packed.byteswap()
+        be = packed.tobytes()
+    digits = binascii.hexlify(be).upper()
     head = prefix.encode("ascii")
     width = len(head) + 16
     data = bytearray(width * n)

@@ -530,3 +530,118 @@ def test_a_page_of_messages_reads_each_log_entry_once(tmp_path: Path) -> None:
     assert [m.body[:5] for m in page.messages[398:402]] == [b"0-398", b"0-399", b"1-000", b"1-001"]
     assert len(reads) == 3, reads  # the three produce entries, once each
     storage.close()
+
+
+@pytest.mark.parametrize("where", ["pending", "durable", "checkpointed"])
+def test_columnar_pages_are_read_and_slice_each_entry_once(tmp_path: Path, where: str) -> None:
+    """read_columns in the node's store (records in the log): pages of plain
+    records take the columnar path (broker_adapter.columnar: one read per
+    log entry, numpy slicing) and hold exactly what read() gives, at every
+    offset, page cap and byte cap, whether their queue's records are
+    adjacent in an entry or interleaved with another queue's; pages with
+    tagged or keyed records take the general path and hold the same. Log
+    entries still buffered, synced, or with the index checkpointed."""
+    from tests.broker.test_properties import assert_columns_are_read
+
+    storage = open_log(tmp_path / "log")
+    sm = durable_sm(storage)
+    log = Log()
+    entries = [log.add(encode_topic(CommandKind.CREATE_TOPIC, "t", 1, 2))]
+    for rnd in range(6):
+        msgs = [
+            Message(
+                # rounds 0 and 1: every size differs; then equal sizes
+                b"v%d-%03d:" % (rnd, i) + b"x" * (i % 9 if rnd < 2 else 4),
+                tag="a" if rnd == 4 and i % 3 == 0 else "",
+                keys=("k", "z") if rnd == 5 and i % 7 == 0 else (),
+                properties=(("p", str(i)),) if rnd == 5 and i % 11 == 0 else (),
+                # odd rounds put runs of ten in a queue, even ones alternate
+                queue=(i // 10) % 2 if rnd % 2 else i % 2,
+                born_ts_ms=1_700_000_000_000 + 1000 * rnd + i,
+            )
+            for i in range(50)
+        ]
+        entries.append(log.add(encode_produce("t", msgs, 2 + rnd)))
+    storage.append(entries)
+    if where != "pending":
+        storage.sync()
+    for e in entries:
+        sm.apply(e)
+    if where == "checkpointed":
+        seq = sm.checkpoint()
+        storage.sync()
+        assert sm.checkpoint_durable(seq)
+    reads: list[tuple[int, int]] = []
+    real = storage.entries
+
+    def spy(lo: int, hi: int, max_bytes: int | None = None) -> list[Entry]:
+        reads.append((lo, hi))
+        return real(lo, hi, max_bytes)
+
+    storage.entries = spy  # type: ignore[method-assign]
+    s = sm.broker
+    plain = general = 0
+    for q in (0, 1):
+        hi = s.queue_range("t", q)[1]
+        for off in [*range(0, hi + 1, 7), hi]:
+            for mm, mb in ((1000, 1 << 20), (5, 1 << 20), (40, 300), (3, 1)):
+                r = s.read("t", q, off, mm, mb)
+                reads.clear()
+                c = s.read_columns("t", q, off, mm, mb)
+                assert_columns_are_read(c, r, "t", q)
+                if not len(c):
+                    continue
+                # the columnar path unless a record has a tag, keys or properties
+                other = any(m.tag or m.keys or m.properties for m in r.messages)
+                assert c.records.plain is not other, (q, off, mm, mb)
+                if other:
+                    general += 1
+                    continue
+                plain += 1
+                # one read per produce entry the page touches
+                touched = {
+                    e.index for e in entries for p in c.phys_offsets if e.pos <= p < e.end_pos
+                }
+                assert sorted(lo for lo, _hi in reads) == sorted(touched), (q, off, mm, mb)
+    assert plain > 50 and general > 10, (plain, general)
+    storage.close()
+
+
+def test_the_columnar_slicer_refuses_what_does_not_check() -> None:
+    """columnar.plain_records answers None (the general path then decodes
+    and names the record) for a record whose length is not the index's,
+    whose version is unknown, that runs past its entry, or that is not
+    plain; and the bodies for records that check."""
+    import numpy as np
+
+    from broker_adapter import codec, columnar
+
+    recs = [codec.encode_record(Message(b"body-%d" % i, born_ts_ms=i)) for i in range(3)]
+    data = b"".join(recs)
+    pos = 1000
+    e = Entry(7, 1, data=data, pos=pos)
+    phys = np.array([pos, pos + len(recs[0]), pos + len(recs[0]) + len(recs[1])], np.int64)
+    sizes = np.array([len(r) for r in recs], np.int64)
+    ok = columnar.plain_records([(e, 3)], phys, sizes)
+    assert ok is not None
+    assert [int(b) for b in ok.born_ts_ms] == [0, 1, 2]
+    offs = [int(x) for x in ok.body_offsets]
+    assert [ok.body_data[offs[i] : offs[i + 1]] for i in range(3)] == [
+        b"body-0",
+        b"body-1",
+        b"body-2",
+    ]
+    wrong_size = sizes.copy()
+    wrong_size[1] += 1
+    assert columnar.plain_records([(e, 3)], phys, wrong_size) is None
+    bad_ver = bytearray(data)
+    bad_ver[len(recs[0]) + 8] = 9  # the second record's version byte
+    assert (
+        columnar.plain_records([(Entry(7, 1, data=bytes(bad_ver), pos=pos), 3)], phys, sizes)
+        is None
+    )
+    short = Entry(7, 1, data=data[:-1], pos=pos)  # the last record runs past its entry
+    assert columnar.plain_records([(short, 3)], phys, sizes) is None
+    tagged = codec.encode_record(Message(b"b", tag="x"))
+    t = Entry(8, 1, data=tagged, pos=pos)
+    assert columnar.plain_records([(t, 1)], phys[:1], np.array([len(tagged)], np.int64)) is None

@@ -32,8 +32,10 @@ from broker_adapter import (
 )
 from broker_adapter.bodies import BodyMissing, LmdbBodies, MemoryBodies
 from broker_adapter.errors import OffsetOutOfRange
+from broker_adapter.state import ReadColumns, ReadResult
 from dledger.core.types import Entry
 from dledger.errors import StorageCorrupted
+from http_api import arrow
 from tests.broker.helpers import Log, all_messages, replay
 
 TOPICS = ["a", "b", "c"]
@@ -316,6 +318,63 @@ def test_a_damaged_record_is_reported_not_served(tmp_path: Path) -> None:
     assert s.read("t", 0, 1, max_messages=10).messages[0].body == b"world"
 
 
+def assert_columns_are_read(c: ReadColumns, r: ReadResult, topic: str, queue: int) -> None:
+    """``c`` (read_columns) holds the messages and offsets of ``r`` (read),
+    column by column, and so does its Arrow page."""
+    ms = r.messages
+    assert list(c.queue_offsets) == [m.queue_offset for m in ms]
+    assert list(c.phys_offsets) == [m.phys_offset for m in ms]
+    assert list(c.sizes) == [m.size for m in ms]
+    assert list(c.store_ts_ms) == [m.store_ts_ms for m in ms]
+    assert c.msg_ids() == [m.msg_id for m in ms]
+    rc = c.records
+    assert rc.body_list() == [m.body for m in ms]
+    assert list(rc.born_ts_ms) == [m.born_ts_ms for m in ms]
+    assert list(rc.tags) == [m.tag or None for m in ms]
+    ko, po = rc.key_offsets, rc.prop_offsets
+    assert [tuple(rc.keys[ko[i] : ko[i + 1]]) for i in range(len(ms))] == [m.keys for m in ms]
+    assert [
+        tuple(zip(rc.prop_keys[po[i] : po[i + 1]], rc.prop_values[po[i] : po[i + 1]], strict=True))
+        for i in range(len(ms))
+    ] == [m.properties for m in ms]
+    assert (c.next_offset, c.min_offset, c.max_offset) == (
+        r.next_offset,
+        r.min_offset,
+        r.max_offset,
+    )
+    pa = arrow.load_pyarrow()
+    if pa is None:
+        return
+    batch = arrow.record_batch(pa, topic, queue, c)
+    batch.validate(full=True)
+    cols = {
+        name: batch.column(name).cast(pa.int64()).to_pylist()
+        if name.endswith("_ts_ms")
+        else batch.column(name).to_pylist()
+        for name in batch.schema.names
+    }
+    assert [
+        (*row[:9], tuple(row[9]), tuple(row[10]), row[11])
+        for row in zip(*(cols[name] for name, _t, _f in arrow.COLUMNS), strict=True)
+    ] == [
+        (
+            topic,
+            queue,
+            m.queue_offset,
+            m.phys_offset,
+            m.size,
+            m.msg_id,
+            m.store_ts_ms,
+            m.born_ts_ms,
+            m.tag or None,
+            m.keys,
+            m.properties,
+            m.body,
+        )
+        for m in ms
+    ]
+
+
 @pytest.mark.parametrize("store", ["memory", "lmdb-buffered", "lmdb-committed"])
 def test_read_columns_is_read_column_by_column(tmp_path: Path, store: str) -> None:
     """The consume route's Arrow page (read_columns) holds what read() gives
@@ -349,35 +408,7 @@ def test_read_columns_is_read_column_by_column(tmp_path: Path, store: str) -> No
                 for tag in (None, "a", "a||b"):
                     r = s.read("t", q, off, mm, mb, tag)
                     c = s.read_columns("t", q, off, mm, mb, tag)
-                    ms = r.messages
-                    assert list(c.queue_offsets) == [m.queue_offset for m in ms]
-                    assert list(c.phys_offsets) == [m.phys_offset for m in ms]
-                    assert list(c.sizes) == [m.size for m in ms]
-                    assert list(c.store_ts_ms) == [m.store_ts_ms for m in ms]
-                    assert c.msg_ids() == [m.msg_id for m in ms]
-                    rc = c.records
-                    assert rc.bodies == [m.body for m in ms]
-                    assert rc.born_ts_ms == [m.born_ts_ms for m in ms]
-                    assert rc.tags == [m.tag or None for m in ms]
-                    ko, po = rc.key_offsets, rc.prop_offsets
-                    assert [tuple(rc.keys[ko[i] : ko[i + 1]]) for i in range(len(ms))] == [
-                        m.keys for m in ms
-                    ]
-                    assert [
-                        tuple(
-                            zip(
-                                rc.prop_keys[po[i] : po[i + 1]],
-                                rc.prop_values[po[i] : po[i + 1]],
-                                strict=True,
-                            )
-                        )
-                        for i in range(len(ms))
-                    ] == [m.properties for m in ms]
-                    assert (c.next_offset, c.min_offset, c.max_offset) == (
-                        r.next_offset,
-                        r.min_offset,
-                        r.max_offset,
-                    )
+                    assert_columns_are_read(c, r, "t", q)
     with pytest.raises(OffsetOutOfRange):
         s.read_columns("t", 0, s.queue_range("t", 0)[1] + 1)
 
@@ -394,7 +425,7 @@ def test_a_damaged_record_is_reported_not_served_by_read_columns(tmp_path: Path)
     s.bodies.put(first.phys_offset, bytes(rec))
     with pytest.raises(StorageCorrupted, match="t/0@0"):
         s.read_columns("t", 0, 0, max_messages=10)
-    assert s.read_columns("t", 0, 1, max_messages=10).records.bodies == [b"world"]
+    assert s.read_columns("t", 0, 1, max_messages=10).records.body_list() == [b"world"]
     s.bodies.delete(second.phys_offset)  # a record the index names is gone
     with pytest.raises(StorageCorrupted, match="t/0"):
         s.read_columns("t", 0, 1, max_messages=10)

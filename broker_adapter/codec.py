@@ -674,6 +674,20 @@ def decode_record(rec: bytes) -> Record:
     return Record(born, queue, shard, tag, keys, props, body)
 
 
+def body_at(rec: bytes) -> int:
+    """Where the body of ``rec`` starts (a record :func:`decode_record`
+    has read: every length in it is in bounds)."""
+    p = _REC_FIXED.size
+    for _ in range(2):  # sharding key, tag
+        p += 2 + _U16.unpack_from(rec, p)[0]
+    for pairs in (1, 2):  # keys, then properties (a key and a value each)
+        (count,) = _U16.unpack_from(rec, p)
+        p += 2
+        for _ in range(count * pairs):
+            p += 2 + _U16.unpack_from(rec, p)[0]
+    return p + _U32.size
+
+
 class BadRecord(MalformedCommand):
     """:func:`decode_columns`: the record at ``index`` fails its checks."""
 
@@ -695,22 +709,32 @@ class RecordColumns:
     prop_keys: list[str] = field(default_factory=list)
     prop_values: list[str] = field(default_factory=list)
     bodies: list[bytes] = field(default_factory=list)
-    # A page of plain records only (broker_adapter.columnar): the bodies as
-    # Arrow's binary layout instead of ``bodies`` (n + 1 offsets into
-    # ``body_data``); tags all None, no keys or properties.
+    # A page decoded by broker_adapter.columnar: bodies and tags in Arrow's
+    # layout instead of ``bodies`` and ``tags`` (n + 1 offsets into the
+    # data; ``tag_valid`` False where a record has no tag), the other
+    # columns as numpy arrays.
     body_offsets: Sequence[int] | None = None
     body_data: bytes | None = None
+    tag_offsets: Sequence[int] | None = None
+    tag_data: bytes = b""
+    tag_valid: Sequence[bool] | None = None
 
     @property
-    def plain(self) -> bool:
+    def columnar(self) -> bool:
         return self.body_data is not None
 
     def body_list(self) -> list[bytes]:
         """The bodies, one ``bytes`` each, whichever way they are held."""
         if self.body_data is None or self.body_offsets is None:
             return self.bodies
-        o, d = [int(x) for x in self.body_offsets], self.body_data
-        return [d[o[i] : o[i + 1]] for i in range(len(o) - 1)]
+        return _split(self.body_offsets, self.body_data)
+
+    def tag_list(self) -> list[str | None]:
+        """The tags (None: no tag), whichever way they are held."""
+        if self.tag_offsets is None or self.tag_valid is None:
+            return self.tags
+        raw = _split(self.tag_offsets, self.tag_data)
+        return [t.decode() if ok else None for t, ok in zip(raw, self.tag_valid, strict=True)]
 
     def add(self, rec: Record) -> None:
         self.born_ts_ms.append(rec.born_ts_ms)
@@ -731,6 +755,11 @@ _REC_PLAIN = struct.Struct(">HHHHI")
 _PLAIN_AT = _REC_FIXED.size
 _PLAIN_BODY_AT = _REC_FIXED.size + _REC_PLAIN.size
 PLAIN_BODY_AT = _PLAIN_BODY_AT  # where a plain record's body starts (broker_adapter.columnar)
+
+
+def _split(offsets: Sequence[int], data: bytes) -> list[bytes]:
+    o = [int(x) for x in offsets]
+    return [data[o[i] : o[i + 1]] for i in range(len(o) - 1)]
 
 
 def decode_columns(recs: Sequence[bytes]) -> RecordColumns:

@@ -32,6 +32,7 @@ general path, which decodes every record and names the one at fault.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,7 @@ import numpy as np
 import numpy.typing as npt
 
 from broker_adapter import codec
+from broker_adapter.errors import MalformedCommand
 from dledger.core.types import Entry
 
 # The ConsumeQueue row (broker_adapter.bodies._IVAL, ">qiIq").
@@ -96,11 +98,23 @@ def index_page(raw: bytes, first: int, max_bytes: int) -> IndexPage:
 
 
 @dataclass(frozen=True, slots=True)
-class PlainRecords:
-    """The records of a page of plain records: their born times, and their
-    bodies as Arrow lays out a binary column (``offsets``: n + 1 int32)."""
+class PageRecords:
+    """What the records of a page hold, column by column: born times, tags
+    and bodies as Arrow lays out a string or binary column (``*_offsets``:
+    n + 1 int32 offsets into ``*_data``; ``tag_valid``: False where a
+    record has no tag), keys and properties as a list and a map column
+    (offsets, then the flat values: only records that have any add to
+    them)."""
 
     born_ts_ms: I64
+    tag_valid: npt.NDArray[np.bool_]
+    tag_offsets: npt.NDArray[np.int32]
+    tag_data: bytes
+    key_offsets: npt.NDArray[np.int32]
+    keys: list[str]
+    prop_offsets: npt.NDArray[np.int32]
+    prop_keys: list[str]
+    prop_values: list[str]
     body_offsets: npt.NDArray[np.int32]
     body_data: bytes
 
@@ -110,14 +124,23 @@ def ascending(phys: I64) -> bool:
     return bool(len(phys) < 2 or np.all(phys[1:] > phys[:-1]))
 
 
-def plain_records(
-    entries: Sequence[tuple[Entry, int]], phys: I64, sizes: I64
-) -> PlainRecords | None:
+def _u16(buf: npt.NDArray[np.uint8], at: I64) -> I64:
+    return (buf[at].astype(np.int64) << 8) | buf[at + 1]
+
+
+def _u32(buf: npt.NDArray[np.uint8], at: I64) -> I64:
+    return (_u16(buf, at) << 16) | _u16(buf, at + 2)
+
+
+def page_records(entries: Sequence[tuple[Entry, int]], phys: I64, sizes: I64) -> PageRecords | None:
     """The records at ``phys`` (``sizes`` bytes each) sliced out of
     ``entries`` (:meth:`DurableBodies.page_entries`: each entry with the end
-    of its run in ``phys``), or None when any of them is not a plain record
-    or fails a check (the caller then decodes them one by one, which names
-    the one at fault)."""
+    of its run in ``phys``), or None when any of them fails a check (the
+    caller then decodes them one by one, which names the one at fault).
+
+    Every field before the keys (lengths, sharding key, tag) is read for
+    all records at once; a record with keys or properties (the rare case)
+    is decoded on its own, in full, with its CRC checked."""
     n = len(phys)
     if not n or np.any(sizes < codec.PLAIN_BODY_AT):
         return None
@@ -129,51 +152,110 @@ def plain_records(
     bases = np.cumsum(lens) - lens  # each entry's start in the joined buffer
     epos = np.fromiter((e.pos for e, _k in entries), np.int64, len(entries))
     starts = phys + np.repeat(bases - epos, counts)
-    if np.any(starts + sizes > np.repeat(bases + lens, counts)) or np.any(
+    rec_end = starts + sizes
+    if np.any(rec_end > np.repeat(bases + lens, counts)) or np.any(
         starts < np.repeat(bases, counts)
     ):
         return None
-    buf = np.frombuffer(b"".join(e.data for e, _k in entries), np.uint8)
-    # Every record's header: one gather of n x 33 bytes, read as rows.
+    joined = b"".join(e.data for e, _k in entries)
+    buf = np.frombuffer(joined, np.uint8)
+    # The fixed fields and the next four lengths of every record: one gather
+    # of n x 33 bytes, read as rows (the lengths are a plain record's; the
+    # sharding key, tag, keys and properties move what follows them).
     at = starts[:, None] + np.arange(codec.PLAIN_BODY_AT, dtype=np.int64)
     hdr = buf[at].reshape(-1).view(HEADER_DTYPE)
-    n_body = hdr["n_body"].astype(np.int64)
-    if not (
-        np.all(hdr["size"] == sizes)
-        and np.all(hdr["ver"] == codec.RECORD_VERSION)
-        and not np.any(hdr["n_shard"] | hdr["n_tag"] | hdr["n_keys"] | hdr["n_props"])
-        and np.all(codec.PLAIN_BODY_AT + n_body <= sizes)
-    ):
+    if not (np.all(hdr["size"] == sizes) and np.all(hdr["ver"] == codec.RECORD_VERSION)):
         return None
-    offsets = np.zeros(n + 1, np.int64)
-    np.cumsum(n_body, out=offsets[1:])
-    data = _bodies(buf, starts, sizes, n_body)
-    return PlainRecords(hdr["born"].astype(np.int64), offsets.astype(np.int32), data)
-
-
-def _bodies(buf: npt.NDArray[np.uint8], starts: I64, sizes: I64, n_body: I64) -> bytes:
-    """The bodies, back to back. A run of records of one size, each right
-    after the previous one (a producer's batch of equal messages), is a
-    2-D view of the buffer whose columns are the body: one copy for the
-    run. Pages of many short runs slice each body instead."""
-    n = len(starts)
-    # a run breaks where a record does not start where the previous ended,
-    # or its size or body length differs from the previous one's
-    brk = np.flatnonzero(
-        (starts[1:] != starts[:-1] + sizes[:-1])
-        | (sizes[1:] != sizes[:-1])
-        | (n_body[1:] != n_body[:-1])
+    # Sharding key, then tag: both a u16 length and the bytes.
+    p_tag = starts + codec.RECORD_FIXED_SIZE + 2 + hdr["n_shard"].astype(np.int64)
+    if np.any(p_tag + 2 > rec_end):
+        return None
+    n_tag = _u16(buf, p_tag)
+    tag_at = p_tag + 2
+    p_keys = tag_at + n_tag
+    if np.any(p_keys + 8 > rec_end):  # key count, property count, body length
+        return None
+    n_keys = _u16(buf, p_keys)
+    n_props = _u16(buf, p_keys + 2)
+    body_len = np.zeros(n, np.int64)
+    simple = (n_keys == 0) & (n_props == 0)
+    body_at = p_keys + 8
+    body_len[simple] = _u32(buf, p_keys[simple] + 4)
+    key_counts = np.zeros(n, np.int64)
+    prop_counts = np.zeros(n, np.int64)
+    keys: list[str] = []
+    prop_keys: list[str] = []
+    prop_values: list[str] = []
+    for i in np.flatnonzero(~simple).tolist():
+        rec = joined[int(starts[i]) : int(rec_end[i])]
+        try:
+            r = codec.decode_record(rec)
+        except MalformedCommand:
+            return None
+        keys += r.keys
+        key_counts[i] = len(r.keys)
+        for k, v in r.properties:
+            prop_keys.append(k)
+            prop_values.append(v)
+        prop_counts[i] = len(r.properties)
+        body_len[i] = len(r.body)
+        body_at[i] = int(starts[i]) + codec.body_at(rec)
+    if np.any(body_at + body_len > rec_end):
+        return None
+    return PageRecords(
+        born_ts_ms=hdr["born"].astype(np.int64),
+        tag_valid=n_tag > 0,
+        tag_offsets=_offsets(n_tag),
+        tag_data=_gather(buf, tag_at, n_tag),
+        key_offsets=_offsets(key_counts),
+        keys=keys,
+        prop_offsets=_offsets(prop_counts),
+        prop_keys=prop_keys,
+        prop_values=prop_values,
+        body_offsets=_offsets(body_len),
+        body_data=_gather(buf, body_at, body_len),
     )
-    if len(brk) * 8 > n:  # short runs: a slice per record
+
+
+def _offsets(lengths: I64) -> npt.NDArray[np.int32]:
+    out = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out.astype(np.int32)
+
+
+def _gather(buf: npt.NDArray[np.uint8], at: I64, lengths: I64) -> bytes:
+    """The byte ranges ``[at, at + lengths)``, back to back. A run of
+    ranges of one length at one stride (a producer's batch of equal
+    messages, each record right after the previous one) is a strided 2-D
+    view of the buffer whose rows are the ranges: one copy for the whole
+    run. Pages of many short runs slice each range instead."""
+    n = len(at)
+    if not n:
+        return b""
+    step = np.diff(at)
+    # a run breaks before record i unless its length is the previous one's
+    # and the step to it is the step before (or i is the second record)
+    joins = np.ones(n, np.bool_)
+    joins[0] = False
+    joins[1:] = (lengths[1:] == lengths[:-1]) & (step > 0)
+    joins[2:] &= step[1:] == step[:-1]
+    starts = np.flatnonzero(~joins)
+    if len(starts) * 8 > n:  # short runs: a slice per range
         mv = buf.data
-        lo = (starts + codec.PLAIN_BODY_AT).tolist()
-        hi = (starts + codec.PLAIN_BODY_AT + n_body).tolist()
+        lo, hi = at.tolist(), (at + lengths).tolist()
         return b"".join([mv[a:b] for a, b in zip(lo, hi, strict=True)])
     parts: list[bytes] = []
-    for a, b in zip([0, *(brk + 1).tolist()], [*(brk + 1).tolist(), n], strict=True):
-        size, at = int(sizes[a]), int(starts[a])
-        rows = buf[at : at + size * (b - a)].reshape(b - a, size)
-        parts.append(rows[:, codec.PLAIN_BODY_AT : codec.PLAIN_BODY_AT + int(n_body[a])].tobytes())
+    bounds = [*starts.tolist(), n]
+    for a, b in itertools.pairwise(bounds):
+        length, first = int(lengths[a]), int(at[a])
+        if b - a == 1:
+            parts.append(buf[first : first + length].tobytes())
+            continue
+        stride = int(at[a + 1] - at[a])
+        rows = np.lib.stride_tricks.as_strided(
+            buf[first:], shape=(b - a, length), strides=(stride, 1), writeable=False
+        )
+        parts.append(rows.tobytes())
     return b"".join(parts)
 
 

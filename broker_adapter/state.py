@@ -913,9 +913,9 @@ class BrokerState:
             )
         cq, lo, hi = self._read_range(topic, queue, offset)
         n = max(0, min(max_messages, hi - offset))
-        plain = self._plain_columns(cq, offset, n, max_bytes, lo, hi)
-        if plain is not None:
-            return plain
+        fast = self._columnar_page(cq, offset, n, max_bytes, lo, hi)
+        if fast is not None:
+            return fast
         with self.bodies.reading():
             try:
                 entries = self.bodies.index_many(cq.qid, offset, offset + n)
@@ -963,14 +963,14 @@ class BrokerState:
             hi,
         )
 
-    def _plain_columns(
+    def _columnar_page(
         self, cq: _Queue, offset: int, n: int, max_bytes: int, lo: int, hi: int
     ) -> ReadColumns | None:
         """:meth:`read_columns`' page decoded per page and per log entry
-        with numpy (:mod:`broker_adapter.columnar`), when the records are in
-        the log and all plain; else None, and the caller decodes them one by
-        one. An error is None too: the general path meets it again and
-        reports it with the record at fault."""
+        with numpy (:mod:`broker_adapter.columnar`), when its records are in
+        the log (not the archive) and numpy is there; else None, and the
+        caller decodes them one by one. An error is None too: the general
+        path meets it again and reports it with the record at fault."""
         bodies = self.bodies
         if not n or not isinstance(bodies, DurableBodies):
             return None
@@ -989,7 +989,7 @@ class BrokerState:
             return None
         if entries is None:
             return None
-        recs = columnar.plain_records(entries, page.phys, page.sizes)
+        recs = columnar.page_records(entries, page.phys, page.sizes)
         if recs is None:
             return None
         k = len(page.phys)
@@ -1001,11 +1001,16 @@ class BrokerState:
             self._id_prefix,
             RecordColumns(
                 born_ts_ms=recs.born_ts_ms,
-                tags=[None] * k,
-                key_offsets=[0] * (k + 1),
-                prop_offsets=[0] * (k + 1),
+                key_offsets=recs.key_offsets,
+                keys=recs.keys,
+                prop_offsets=recs.prop_offsets,
+                prop_keys=recs.prop_keys,
+                prop_values=recs.prop_values,
                 body_offsets=recs.body_offsets,
                 body_data=recs.body_data,
+                tag_offsets=recs.tag_offsets,
+                tag_data=recs.tag_data,
+                tag_valid=recs.tag_valid,
             ),
             offset + k,
             lo,

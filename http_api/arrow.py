@@ -126,7 +126,7 @@ def record_batch(pa: Any, topic: str, queue: int, cols: ReadColumns) -> Any:
     r = cols.records
     ts = pa.timestamp("ms", tz="UTC")
     if r.body_data is not None:
-        return _plain_batch(pa, topic, queue, cols)
+        return _columnar_batch(pa, topic, queue, cols)
     arrays = [
         pa.repeat(pa.scalar(topic, pa.string()), n),
         pa.repeat(pa.scalar(queue, pa.int32()), n),
@@ -150,16 +150,28 @@ def record_batch(pa: Any, topic: str, queue: int, cols: ReadColumns) -> Any:
     return pa.RecordBatch.from_arrays(arrays, schema=schema(pa))
 
 
-def _plain_batch(pa: Any, topic: str, queue: int, cols: ReadColumns) -> Any:
-    """:func:`record_batch` of a page of plain records (their columns as
-    numpy arrays and the bodies as one buffer, :mod:`broker_adapter.columnar`):
-    every column is built from buffers, none from a Python object per
-    message."""
+def _columnar_batch(pa: Any, topic: str, queue: int, cols: ReadColumns) -> Any:
+    """:func:`record_batch` of a page decoded by
+    :mod:`broker_adapter.columnar` (numpy arrays, and tags and bodies as
+    Arrow's offsets and data): every column is built from buffers, none
+    from a Python object per message."""
     n = len(cols)
     r = cols.records
     ts = pa.timestamp("ms", tz="UTC")
-    # every list and map empty: n + 1 zero offsets
-    no_items = pa.Array.from_buffers(pa.int32(), n + 1, [None, pa.py_buffer(bytes(4 * (n + 1)))])
+    valid = r.tag_valid
+    tags = (
+        pa.Array.from_buffers(
+            pa.string(),
+            n,
+            [
+                pa.array(valid, pa.bool_()).buffers()[1],
+                pa.py_buffer(r.tag_offsets),
+                pa.py_buffer(r.tag_data),
+            ],
+        )
+        if r.tag_data
+        else pa.nulls(n, pa.string())
+    )
     arrays = [
         pa.repeat(pa.scalar(topic, pa.string()), n),
         pa.repeat(pa.scalar(queue, pa.int32()), n),
@@ -169,9 +181,15 @@ def _plain_batch(pa: Any, topic: str, queue: int, cols: ReadColumns) -> Any:
         _msg_ids(pa, cols.id_prefix, cols.phys_offsets),
         pa.array(cols.store_ts_ms, ts),
         pa.array(r.born_ts_ms, ts),
-        pa.nulls(n, pa.string()),
-        pa.ListArray.from_arrays(no_items, pa.array([], pa.string())),
-        pa.MapArray.from_arrays(no_items, pa.array([], pa.string()), pa.array([], pa.string())),
+        tags,
+        pa.ListArray.from_arrays(
+            pa.array(r.key_offsets, pa.int32()), pa.array(r.keys, pa.string())
+        ),
+        pa.MapArray.from_arrays(
+            pa.array(r.prop_offsets, pa.int32()),
+            pa.array(r.prop_keys, pa.string()),
+            pa.array(r.prop_values, pa.string()),
+        ),
         pa.Array.from_buffers(
             pa.binary(),
             n,

@@ -534,13 +534,13 @@ def test_a_page_of_messages_reads_each_log_entry_once(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("where", ["pending", "durable", "checkpointed"])
 def test_columnar_pages_are_read_and_slice_each_entry_once(tmp_path: Path, where: str) -> None:
-    """read_columns in the node's store (records in the log): pages of plain
-    records take the columnar path (broker_adapter.columnar: one read per
-    log entry, numpy slicing) and hold exactly what read() gives, at every
-    offset, page cap and byte cap, whether their queue's records are
-    adjacent in an entry or interleaved with another queue's; pages with
-    tagged or keyed records take the general path and hold the same. Log
-    entries still buffered, synced, or with the index checkpointed."""
+    """read_columns in the node's store (records in the log) takes the
+    columnar path (broker_adapter.columnar: one read per log entry, numpy
+    slicing) and holds exactly what read() gives, at every offset, page
+    cap and byte cap: records of one size or of many, adjacent in an entry
+    or interleaved with another queue's, with and without tags, keys and
+    properties. Log entries still buffered, synced, or with the index
+    checkpointed."""
     from tests.broker.test_properties import assert_columns_are_read
 
     storage = open_log(tmp_path / "log")
@@ -562,6 +562,12 @@ def test_columnar_pages_are_read_and_slice_each_entry_once(tmp_path: Path, where
             for i in range(50)
         ]
         entries.append(log.add(encode_produce("t", msgs, 2 + rnd)))
+    for q in (0, 1):  # long runs of equal records (tagged in queue 1): strided copies
+        msgs = [
+            Message(b"run-%04d" % i, tag="tg" if q else "", queue=q, born_ts_ms=i)
+            for i in range(300)
+        ]
+        entries.append(log.add(encode_produce("t", msgs, 10 + q)))
     storage.append(entries)
     if where != "pending":
         storage.sync()
@@ -580,68 +586,82 @@ def test_columnar_pages_are_read_and_slice_each_entry_once(tmp_path: Path, where
 
     storage.entries = spy  # type: ignore[method-assign]
     s = sm.broker
-    plain = general = 0
+    columnar = other = 0
     for q in (0, 1):
         hi = s.queue_range("t", q)[1]
         for off in [*range(0, hi + 1, 7), hi]:
-            for mm, mb in ((1000, 1 << 20), (5, 1 << 20), (40, 300), (3, 1)):
+            for mm, mb in ((1000, 1 << 20), (200, 1 << 20), (5, 1 << 20), (40, 300), (3, 1)):
                 r = s.read("t", q, off, mm, mb)
                 reads.clear()
                 c = s.read_columns("t", q, off, mm, mb)
                 assert_columns_are_read(c, r, "t", q)
                 if not len(c):
                     continue
-                # the columnar path unless a record has a tag, keys or properties
-                other = any(m.tag or m.keys or m.properties for m in r.messages)
-                assert c.records.plain is not other, (q, off, mm, mb)
-                if other:
-                    general += 1
-                    continue
-                plain += 1
+                assert c.records.columnar, (q, off, mm, mb)
+                columnar += 1
+                if any(m.tag or m.keys or m.properties for m in r.messages):
+                    other += 1
                 # one read per produce entry the page touches
                 touched = {
                     e.index for e in entries for p in c.phys_offsets if e.pos <= p < e.end_pos
                 }
                 assert sorted(lo for lo, _hi in reads) == sorted(touched), (q, off, mm, mb)
-    assert plain > 50 and general > 10, (plain, general)
+    assert columnar > 60 and other > 10, (columnar, other)
     storage.close()
 
 
 def test_the_columnar_slicer_refuses_what_does_not_check() -> None:
-    """columnar.plain_records answers None (the general path then decodes
+    """columnar.page_records answers None (the general path then decodes
     and names the record) for a record whose length is not the index's,
-    whose version is unknown, that runs past its entry, or that is not
-    plain; and the bodies for records that check."""
+    whose version is unknown, that runs past its entry, or whose keys run
+    past it; and the columns of records that check, with and without tags,
+    keys and properties."""
     import numpy as np
 
     from broker_adapter import codec, columnar
 
-    recs = [codec.encode_record(Message(b"body-%d" % i, born_ts_ms=i)) for i in range(3)]
+    msgs = [
+        Message(b"body-0", born_ts_ms=10),
+        Message(b"body-1", tag="t1", born_ts_ms=11, sharding_key="s"),
+        Message(b"body-2", keys=("k1", "k2"), properties=(("p", "v"),), born_ts_ms=12),
+        Message(b"", tag="t3", born_ts_ms=13),
+    ]
+    recs = [codec.encode_record(m) for m in msgs]
     data = b"".join(recs)
     pos = 1000
     e = Entry(7, 1, data=data, pos=pos)
-    phys = np.array([pos, pos + len(recs[0]), pos + len(recs[0]) + len(recs[1])], np.int64)
+    phys = np.array([pos + sum(len(r) for r in recs[:i]) for i in range(4)], np.int64)
     sizes = np.array([len(r) for r in recs], np.int64)
-    ok = columnar.plain_records([(e, 3)], phys, sizes)
+    ok = columnar.page_records([(e, 4)], phys, sizes)
     assert ok is not None
-    assert [int(b) for b in ok.born_ts_ms] == [0, 1, 2]
-    offs = [int(x) for x in ok.body_offsets]
-    assert [ok.body_data[offs[i] : offs[i + 1]] for i in range(3)] == [
-        b"body-0",
-        b"body-1",
-        b"body-2",
-    ]
+    assert ok.born_ts_ms.tolist() == [10, 11, 12, 13]
+    cols = codec.RecordColumns(
+        body_offsets=ok.body_offsets,
+        body_data=ok.body_data,
+        tag_offsets=ok.tag_offsets,
+        tag_data=ok.tag_data,
+        tag_valid=ok.tag_valid,
+    )
+    assert cols.body_list() == [b"body-0", b"body-1", b"body-2", b""]
+    assert cols.tag_list() == [None, "t1", None, "t3"]
+    assert ok.key_offsets.tolist() == [0, 0, 0, 2, 2] and ok.keys == ["k1", "k2"]
+    assert ok.prop_offsets.tolist() == [0, 0, 0, 1, 1]
+    assert (ok.prop_keys, ok.prop_values) == (["p"], ["v"])
     wrong_size = sizes.copy()
     wrong_size[1] += 1
-    assert columnar.plain_records([(e, 3)], phys, wrong_size) is None
+    assert columnar.page_records([(e, 4)], phys, wrong_size) is None
     bad_ver = bytearray(data)
     bad_ver[len(recs[0]) + 8] = 9  # the second record's version byte
-    assert (
-        columnar.plain_records([(Entry(7, 1, data=bytes(bad_ver), pos=pos), 3)], phys, sizes)
-        is None
-    )
+    bad = Entry(7, 1, data=bytes(bad_ver), pos=pos)
+    assert columnar.page_records([(bad, 4)], phys, sizes) is None
     short = Entry(7, 1, data=data[:-1], pos=pos)  # the last record runs past its entry
-    assert columnar.plain_records([(short, 3)], phys, sizes) is None
-    tagged = codec.encode_record(Message(b"b", tag="x"))
-    t = Entry(8, 1, data=tagged, pos=pos)
-    assert columnar.plain_records([(t, 1)], phys[:1], np.array([len(tagged)], np.int64)) is None
+    assert columnar.page_records([(short, 4)], phys, sizes) is None
+    long_tag = bytearray(data)  # the second record's tag length runs past it
+    at = len(recs[0]) + codec.RECORD_FIXED_SIZE + 2 + 1
+    long_tag[at : at + 2] = (200).to_bytes(2, "big")
+    bad = Entry(7, 1, data=bytes(long_tag), pos=pos)
+    assert columnar.page_records([(bad, 4)], phys, sizes) is None
+    bad_keys = bytearray(data)  # the third record's key is damaged: its CRC fails
+    bad_keys[sum(len(r) for r in recs[:2]) + 40] ^= 1
+    bad = Entry(7, 1, data=bytes(bad_keys), pos=pos)
+    assert columnar.page_records([(bad, 4)], phys, sizes) is None

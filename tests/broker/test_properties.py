@@ -330,7 +330,7 @@ def assert_columns_are_read(c: ReadColumns, r: ReadResult, topic: str, queue: in
     rc = c.records
     assert rc.body_list() == [m.body for m in ms]
     assert list(rc.born_ts_ms) == [m.born_ts_ms for m in ms]
-    assert list(rc.tags) == [m.tag or None for m in ms]
+    assert rc.tag_list() == [m.tag or None for m in ms]
     ko, po = rc.key_offsets, rc.prop_offsets
     assert [tuple(rc.keys[ko[i] : ko[i + 1]]) for i in range(len(ms))] == [m.keys for m in ms]
     assert [

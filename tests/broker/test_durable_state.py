@@ -665,3 +665,24 @@ def test_the_columnar_slicer_refuses_what_does_not_check() -> None:
     bad_keys[sum(len(r) for r in recs[:2]) + 40] ^= 1
     bad = Entry(7, 1, data=bytes(bad_keys), pos=pos)
     assert columnar.page_records([(bad, 4)], phys, sizes) is None
+
+
+def test_without_numpy_pages_are_decoded_record_by_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """numpy is optional on a node: without it read_columns decodes each
+    record (the general path) and the page holds the same rows."""
+    from broker_adapter import state as state_mod
+    from tests.broker.test_properties import assert_columns_are_read
+
+    storage = open_log(tmp_path / "log")
+    sm = durable_sm(storage)
+    log = _produce_log(8)
+    feed(storage, sm, log.entries)
+    monkeypatch.setattr(state_mod, "_COLUMNAR", [None])
+    c = sm.broker.read_columns("t", 1, 0, 100)
+    assert len(c) and not c.records.columnar
+    assert_columns_are_read(c, sm.broker.read("t", 1, 0, 100), "t", 1)
+    monkeypatch.setattr(state_mod, "_COLUMNAR", [])  # imported again: numpy is here
+    assert sm.broker.read_columns("t", 1, 0, 100).records.columnar
+    storage.close()

@@ -125,57 +125,33 @@ def _make_schema(pa: Any) -> Any:
 
 
 def record_batch(pa: Any, topic: str, queue: int, cols: ReadColumns) -> Any:
-    """The page as one ``pyarrow.RecordBatch`` of :func:`schema`."""
+    """The page as one ``pyarrow.RecordBatch`` of :func:`schema`. A page
+    decoded by :mod:`broker_adapter.columnar` (numpy arrays, and tags and
+    bodies as Arrow's offsets and data) has every column built from
+    buffers, none from a Python object per message."""
     n = len(cols)
     r = cols.records
     ts = pa.timestamp("ms", tz="UTC")
     if r.body_data is not None:
-        return _columnar_batch(pa, topic, queue, cols)
-    arrays = [
-        pa.repeat(pa.scalar(topic, pa.string()), n),
-        pa.repeat(pa.scalar(queue, pa.int32()), n),
-        pa.array(cols.queue_offsets, pa.int64()),
-        pa.array(cols.phys_offsets, pa.int64()),
-        pa.array(cols.sizes, pa.int32()),
-        _msg_ids(pa, cols.id_prefix, cols.phys_offsets),
-        pa.array(cols.store_ts_ms, ts),
-        pa.array(r.born_ts_ms, ts),
-        pa.array(r.tags, pa.string()),
-        pa.ListArray.from_arrays(
-            pa.array(r.key_offsets, pa.int32()), pa.array(r.keys, pa.string())
-        ),
-        pa.MapArray.from_arrays(
-            pa.array(r.prop_offsets, pa.int32()),
-            pa.array(r.prop_keys, pa.string()),
-            pa.array(r.prop_values, pa.string()),
-        ),
-        pa.array(r.bodies, pa.binary()),
-    ]
-    return pa.RecordBatch.from_arrays(arrays, schema=schema(pa))
-
-
-def _columnar_batch(pa: Any, topic: str, queue: int, cols: ReadColumns) -> Any:
-    """:func:`record_batch` of a page decoded by
-    :mod:`broker_adapter.columnar` (numpy arrays, and tags and bodies as
-    Arrow's offsets and data): every column is built from buffers, none
-    from a Python object per message."""
-    n = len(cols)
-    r = cols.records
-    ts = pa.timestamp("ms", tz="UTC")
-    valid = r.tag_valid
-    tags = (
-        pa.Array.from_buffers(
-            pa.string(),
-            n,
-            [
-                pa.array(valid, pa.bool_()).buffers()[1],
-                pa.py_buffer(r.tag_offsets),
-                pa.py_buffer(r.tag_data),
-            ],
+        tags = (
+            pa.Array.from_buffers(
+                pa.string(),
+                n,
+                [
+                    pa.array(r.tag_valid, pa.bool_()).buffers()[1],
+                    pa.py_buffer(r.tag_offsets),
+                    pa.py_buffer(r.tag_data),
+                ],
+            )
+            if r.tag_data
+            else pa.nulls(n, pa.string())
         )
-        if r.tag_data
-        else pa.nulls(n, pa.string())
-    )
+        values = pa.Array.from_buffers(
+            pa.binary(), n, [None, pa.py_buffer(r.body_offsets), pa.py_buffer(r.body_data)]
+        )
+    else:
+        tags = pa.array(r.tags, pa.string())
+        values = pa.array(r.bodies, pa.binary())
     arrays = [
         pa.repeat(pa.scalar(topic, pa.string()), n),
         pa.repeat(pa.scalar(queue, pa.int32()), n),
@@ -194,11 +170,7 @@ def _columnar_batch(pa: Any, topic: str, queue: int, cols: ReadColumns) -> Any:
             pa.array(r.prop_keys, pa.string()),
             pa.array(r.prop_values, pa.string()),
         ),
-        pa.Array.from_buffers(
-            pa.binary(),
-            n,
-            [None, pa.py_buffer(r.body_offsets), pa.py_buffer(r.body_data)],
-        ),
+        values,
     ]
     return pa.RecordBatch.from_arrays(arrays, schema=schema(pa))
 

@@ -54,6 +54,19 @@ def snapshot_at_end(storage: LmdbStorage, entries: list[Entry]) -> bytes:
         other.close()
 
 
+def spy_entry_reads(storage: LmdbStorage) -> list[tuple[int, int]]:
+    """Every ``storage.entries(lo, hi)`` call from now on, as (lo, hi)."""
+    reads: list[tuple[int, int]] = []
+    real = storage.entries
+
+    def spy(lo: int, hi: int, max_bytes: int | None = None) -> list[Entry]:
+        reads.append((lo, hi))
+        return real(lo, hi, max_bytes)
+
+    storage.entries = spy  # type: ignore[method-assign]
+    return reads
+
+
 def open_log(path: Path) -> LmdbStorage:
     # async: committed without fsync (these tests crash by closing, which
     # drops what was never synced, not what was committed)
@@ -517,14 +530,7 @@ def test_a_page_of_messages_reads_each_log_entry_once(tmp_path: Path) -> None:
         msgs = [Message(body=b"%d-%03d" % (k, j) + b"x" * 300, queue=0) for j in range(400)]
         entries.append(log.add(encode_produce("t", msgs, 1000 + k)))
     feed(storage, sm, entries)
-    reads: list[tuple[int, int]] = []
-    real = storage.entries
-
-    def spy(lo: int, hi: int, max_bytes: int | None = None) -> list[Entry]:
-        reads.append((lo, hi))
-        return real(lo, hi, max_bytes)
-
-    storage.entries = spy  # type: ignore[method-assign]
+    reads = spy_entry_reads(storage)
     page = sm.broker.read("t", 0, 0, max_messages=1000, max_bytes=1 << 30)
     assert len(page.messages) == 1000
     assert [m.body[:5] for m in page.messages[398:402]] == [b"0-398", b"0-399", b"1-000", b"1-001"]
@@ -577,14 +583,7 @@ def test_columnar_pages_are_read_and_slice_each_entry_once(tmp_path: Path, where
         seq = sm.checkpoint()
         storage.sync()
         assert sm.checkpoint_durable(seq)
-    reads: list[tuple[int, int]] = []
-    real = storage.entries
-
-    def spy(lo: int, hi: int, max_bytes: int | None = None) -> list[Entry]:
-        reads.append((lo, hi))
-        return real(lo, hi, max_bytes)
-
-    storage.entries = spy  # type: ignore[method-assign]
+    reads = spy_entry_reads(storage)
     s = sm.broker
     columnar = other = 0
     for q in (0, 1):

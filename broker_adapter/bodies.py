@@ -999,23 +999,32 @@ class DurableBodies(LmdbBodies):
                 )
         return e
 
-    def page_entries(self, phys: Sequence[int]) -> list[tuple[Entry, int]] | None:
+    def page_entries(
+        self, phys: Sequence[int], max_bytes: int = 1 << 62
+    ) -> list[tuple[Entry, int]] | None:
         """The log entries holding the records at ``phys`` (ascending), in
         order, each with the end of its run: entry ``j`` holds
         ``phys[k[j-1]:k[j]]``. One entry read per entry, not per record (a
-        columnar page slices the records itself). None when a record is in
-        the archive (a row of its own, not in the log): read those one by
-        one. Raises as :meth:`get_many` does."""
+        columnar page slices the records itself). The entries are held
+        together, so they stop once they add up to ``max_bytes`` (after
+        the first): the last one's end may then fall short of ``len(phys)``
+        and the page is shorter. None when a record is in the archive (a
+        row of its own, not in the log): read those one by one. Raises as
+        :meth:`get_many` does."""
         self._not_restoring()
         if not len(phys) or phys[0] < self._archive_end:
             return None
         out: list[tuple[Entry, int]] = []
+        held = 0
         with self.reading():
             cache = self._read_cache
             assert cache is not None
             k, n = 0, len(phys)
             while k < n:
                 e = self._entry_at(int(phys[k]), cache)
+                held += len(e.data)
+                if out and held > max_bytes:
+                    break
                 k = bisect.bisect_left(phys, e.end_pos, k + 1)
                 out.append((e, k))
         return out

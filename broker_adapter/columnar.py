@@ -77,6 +77,12 @@ class IndexPage:
     sizes: I64
     stamps: I64
 
+    def head(self, k: int) -> IndexPage:
+        """The first ``k`` rows."""
+        if k >= len(self.phys):
+            return self
+        return IndexPage(self.offsets[:k], self.phys[:k], self.sizes[:k], self.stamps[:k])
+
 
 def index_page(raw: bytes, first: int, max_bytes: int) -> IndexPage:
     """The rows in ``raw`` (joined :data:`INDEX_DTYPE` rows, the first at
@@ -147,6 +153,8 @@ def page_records(entries: Sequence[tuple[Entry, int]], phys: I64, sizes: I64) ->
     # Join the entries; shift each record's CommitLog position to its place
     # in the joined buffer, and check that it ends inside its entry.
     ends = np.fromiter((k for _e, k in entries), np.int64, len(entries))
+    if not len(ends) or ends[-1] != n:
+        return None  # the entries do not cover the page
     counts = np.diff(ends, prepend=0)
     lens = np.fromiter((len(e.data) for e, _k in entries), np.int64, len(entries))
     bases = np.cumsum(lens) - lens  # each entry's start in the joined buffer

@@ -348,6 +348,10 @@ class _Producer:
 
 
 _COLUMNAR: list[ModuleType | None] = []
+# What a columnar page may hold of log entries at once (they are joined):
+# a queue whose messages each sit in a large entry among other queues' gets
+# a shorter page, not a page that holds gigabytes.
+PAGE_ENTRY_BYTES = 32 << 20
 
 
 def _columnar() -> ModuleType | None:
@@ -984,11 +988,12 @@ class BrokerState:
                 )
                 if not columnar.ascending(page.phys):
                     return None
-                entries = bodies.page_entries(page.phys)
+                entries = bodies.page_entries(page.phys, PAGE_ENTRY_BYTES)
         except (BodyMissing, StorageCorrupted):
             return None
         if entries is None:
             return None
+        page = page.head(entries[-1][1])  # the entries held may cover fewer
         recs = columnar.page_records(entries, page.phys, page.sizes)
         if recs is None:
             return None

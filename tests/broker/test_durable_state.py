@@ -685,3 +685,36 @@ def test_without_numpy_pages_are_decoded_record_by_record(
     monkeypatch.setattr(state_mod, "_COLUMNAR", [])  # imported again: numpy is here
     assert sm.broker.read_columns("t", 1, 0, 100).records.columnar
     storage.close()
+
+
+def test_a_columnar_page_holds_a_bounded_amount_of_log_entries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The entries a columnar page joins are bounded (PAGE_ENTRY_BYTES,
+    after the first): a queue whose messages sit one to a large entry gets
+    shorter pages, which read on from next_offset to the same messages."""
+    from broker_adapter import state as state_mod
+
+    storage = open_log(tmp_path / "log")
+    sm = durable_sm(storage)
+    log = Log()
+    entries = [log.add(encode_topic(CommandKind.CREATE_TOPIC, "t", 1, 2))]
+    for k in range(6):  # one message of queue 0 per entry, among 30 of queue 1
+        msgs = [Message(b"q0-%d" % k, queue=0)]
+        msgs += [Message(b"q1-%d-%d" % (k, j) + b"x" * 200, queue=1) for j in range(30)]
+        entries.append(log.add(encode_produce("t", msgs, 2 + k)))
+    feed(storage, sm, entries)
+    s = sm.broker
+    monkeypatch.setattr(state_mod, "PAGE_ENTRY_BYTES", 2 * len(entries[1].data))
+    reads = spy_entry_reads(storage)
+    c = s.read_columns("t", 0, 0, 100)
+    assert c.records.columnar
+    assert c.records.body_list() == [b"q0-0", b"q0-1"] and c.next_offset == 2
+    assert len(reads) == 3  # the third entry was read, then left for the next page
+    got, off = [], 0
+    while off < s.queue_range("t", 0)[1]:
+        c = s.read_columns("t", 0, off, 100)
+        got += c.records.body_list()
+        off = c.next_offset
+    assert got == [m.body for m in s.read("t", 0, 0, 100).messages]
+    storage.close()

@@ -13,15 +13,13 @@ the driver as well). Prints one JSON document; a measurement, never a test.
 With ``--endpoints`` it uses a running cluster instead of starting one;
 ``--fetch-format json`` reads the JSON pages (the source's ``fetchFormat``).
 
-Figures (defaults, 2-core machine shared with other work, load average
-3-7; medians of 3): ``df.count()`` read JSON pages at 39,000 messages/s
-(37,000-81,000 in earlier runs); with Arrow pages 146,000 (best 183,000),
-while the JSON path measured 35,000 right after it: about 4x.
-``collect_values``: 25,000 -> 60,000. What remains (see README, "Read
-throughput"): about 0.4-0.7 s of every count is fixed Spark/Python-source
-cost (planning in a Python worker, task start, the count's second stage),
-and a node serves about 280,000 messages/s to one reader, its event loop
-busy with the CRC check and decoding of every record.
+Figures: see README, "Read throughput" (``df.count()`` over 1,000,000
+messages with Arrow pages: 600,000-880,000 messages/s on the 2-core
+development machine, where the nodes share the cores with Spark). About
+0.4-0.7 s of every count is fixed Spark/Python-source cost (planning in a
+Python worker, task start, the count's second stage), so a count over
+200,000 messages gets about half that rate. For a count, Spark's JVM now
+uses about as much CPU as the three nodes together.
 """
 
 from __future__ import annotations

@@ -17,17 +17,20 @@ This module does the same work per *page* and per *log entry* instead:
   gathered into one array of :data:`HEADER_DTYPE` rows;
 * the checks :func:`~broker_adapter.codec.decode_columns` makes of each
   record are made on those arrays: its length is the index's size, its
-  version is known, its body fits. The record's own CRC is not recomputed:
-  the entry's CRC, checked when the entry was read, covers every byte of
-  it, and a record sliced at a wrong place fails the length or version
-  check (the ConsumeQueue rows have CRCs of their own);
-* the bodies are gathered into one buffer with their offsets: Arrow's
-  layout for a binary column, with no ``bytes`` object per message.
+  version is known, every length in it stays inside it. The record's own
+  CRC is not recomputed: the entry's CRC, checked when the entry was read,
+  covers every byte of it, and a record sliced at a wrong place fails the
+  length or version check (the ConsumeQueue rows have CRCs of their own);
+* the sharding key and tag lengths are gathered the same way; a record
+  with keys or properties (the rare case) is decoded on its own, CRC
+  included, and spliced into the list and map columns;
+* tags and bodies are gathered into one buffer each with their offsets:
+  Arrow's layout for a string or binary column, with no object per
+  message (one copy per run of equal adjacent records).
 
-It serves *plain* records only (no sharding key, tag, keys or properties:
-what a producer that sets none of them writes). A page with any other
-record, or one that fails a check, returns None and the caller takes the
-general path, which decodes every record and names the one at fault.
+A page that fails any check returns None and the caller takes the general
+path, which decodes every record and names the one at fault. The log
+entries a page holds are bounded by the caller (``PAGE_ENTRY_BYTES``).
 """
 
 from __future__ import annotations

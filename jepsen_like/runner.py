@@ -75,8 +75,8 @@ class RunConfig:
     quiet: bool = False
     # Contended workload (issue 18): clients per queue (0: the legacy mix of
     # random-queue producers/readers above) and their short per-op deadlines.
-    clients_per_queue: int = 12
-    client_timeout_s: tuple[float, float] | None = (0.05, 0.4)
+    clients_per_queue: int = 20
+    client_timeout_s: tuple[float, float] | None = (0.03, 0.3)
     # Fault schedule: None = nemesis.REQUIRED in a seeded order, then round robin.
     schedule: list[tuple[str, str | None]] | None = None
     # The nodes' flush mode (issue 20: "async" may lose the unsynced tail

@@ -106,28 +106,6 @@ def index_page(raw: bytes, first: int, max_bytes: int) -> IndexPage:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class PageRecords:
-    """What the records of a page hold, column by column: born times, tags
-    and bodies as Arrow lays out a string or binary column (``*_offsets``:
-    n + 1 int32 offsets into ``*_data``; ``tag_valid``: False where a
-    record has no tag), keys and properties as a list and a map column
-    (offsets, then the flat values: only records that have any add to
-    them)."""
-
-    born_ts_ms: I64
-    tag_valid: npt.NDArray[np.bool_]
-    tag_offsets: npt.NDArray[np.int32]
-    tag_data: bytes
-    key_offsets: npt.NDArray[np.int32]
-    keys: list[str]
-    prop_offsets: npt.NDArray[np.int32]
-    prop_keys: list[str]
-    prop_values: list[str]
-    body_offsets: npt.NDArray[np.int32]
-    body_data: bytes
-
-
 def ascending(phys: I64) -> bool:
     """CommitLog positions of a queue's messages only grow."""
     return bool(len(phys) < 2 or np.all(phys[1:] > phys[:-1]))
@@ -141,9 +119,14 @@ def _u32(buf: npt.NDArray[np.uint8], at: I64) -> I64:
     return (_u16(buf, at) << 16) | _u16(buf, at + 2)
 
 
-def page_records(entries: Sequence[tuple[Entry, int]], phys: I64, sizes: I64) -> PageRecords | None:
+def page_records(
+    entries: Sequence[tuple[Entry, int]], phys: I64, sizes: I64
+) -> codec.RecordColumns | None:
     """The records at ``phys`` (``sizes`` bytes each) sliced out of
-    ``entries`` (:meth:`DurableBodies.page_entries`: each entry with the end
+    ``entries`` as :class:`~broker_adapter.codec.RecordColumns` in their
+    columnar form (numpy arrays; tags and bodies as Arrow's offsets and
+    data; keys and properties flat, only records that have any adding to
+    them) (:meth:`DurableBodies.page_entries`: each entry with the end
     of its run in ``phys``), or None when any of them fails a check (the
     caller then decodes them one by one, which names the one at fault).
 
@@ -213,19 +196,22 @@ def page_records(entries: Sequence[tuple[Entry, int]], phys: I64, sizes: I64) ->
         body_at[i] = int(starts[i]) + codec.body_at(rec)
     if np.any(body_at + body_len > rec_end):
         return None
-    return PageRecords(
-        born_ts_ms=hdr["born"].astype(np.int64),
-        tag_valid=n_tag > 0,
-        tag_offsets=_offsets(n_tag),
-        tag_data=_gather(buf, tag_at, n_tag),
-        key_offsets=_offsets(key_counts),
-        keys=keys,
-        prop_offsets=_offsets(prop_counts),
-        prop_keys=prop_keys,
-        prop_values=prop_values,
-        body_offsets=_offsets(body_len),
-        body_data=_gather(buf, body_at, body_len),
-    )
+    # numpy arrays stand where RecordColumns' annotations say lists: they
+    # index and slice alike, and pyarrow takes either.
+    columns: dict[str, Any] = {
+        "born_ts_ms": hdr["born"].astype(np.int64),
+        "tag_valid": n_tag > 0,
+        "tag_offsets": _offsets(n_tag),
+        "tag_data": _gather(buf, tag_at, n_tag),
+        "key_offsets": _offsets(key_counts),
+        "keys": keys,
+        "prop_offsets": _offsets(prop_counts),
+        "prop_keys": prop_keys,
+        "prop_values": prop_values,
+        "body_offsets": _offsets(body_len),
+        "body_data": _gather(buf, body_at, body_len),
+    }
+    return codec.RecordColumns(**columns)
 
 
 def _offsets(lengths: I64) -> npt.NDArray[np.int32]:

@@ -634,15 +634,8 @@ def test_the_columnar_slicer_refuses_what_does_not_check() -> None:
     ok = columnar.page_records([(e, 4)], phys, sizes)
     assert ok is not None
     assert ok.born_ts_ms.tolist() == [10, 11, 12, 13]
-    cols = codec.RecordColumns(
-        body_offsets=ok.body_offsets,
-        body_data=ok.body_data,
-        tag_offsets=ok.tag_offsets,
-        tag_data=ok.tag_data,
-        tag_valid=ok.tag_valid,
-    )
-    assert cols.body_list() == [b"body-0", b"body-1", b"body-2", b""]
-    assert cols.tag_list() == [None, "t1", None, "t3"]
+    assert ok.body_list() == [b"body-0", b"body-1", b"body-2", b""]
+    assert ok.tag_list() == [None, "t1", None, "t3"]
     assert ok.key_offsets.tolist() == [0, 0, 0, 2, 2] and ok.keys == ["k1", "k2"]
     assert ok.prop_offsets.tolist() == [0, 0, 0, 1, 1]
     assert (ok.prop_keys, ok.prop_values) == (["p"], ["v"])

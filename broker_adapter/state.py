@@ -39,7 +39,6 @@ from __future__ import annotations
 import heapq
 import importlib
 import struct
-import sys
 import zlib
 from array import array
 from collections.abc import Callable, Iterator, Sequence
@@ -79,6 +78,7 @@ from broker_adapter.errors import (
 )
 from dledger.core.types import Entry, EntryType
 from dledger.errors import CatchingUp, InvariantViolation, StorageCorrupted
+from dledger.statemachine import big_endian_bytes, from_big_endian
 
 DEDUP_WINDOW = 5
 DEFAULT_PRODUCER_IDLE_MS = 7 * 24 * 3600 * 1000
@@ -364,21 +364,6 @@ def _columnar() -> ModuleType | None:
         except ImportError:
             _COLUMNAR.append(None)
     return _COLUMNAR[0]
-
-
-def _u64_bytes(a: array[int]) -> bytes:
-    b = array(a.typecode, a)
-    if sys.byteorder == "little":
-        b.byteswap()
-    return b.tobytes()
-
-
-def _from_bytes(typecode: str, raw: bytes) -> array[int]:
-    a = array(typecode)
-    a.frombytes(raw)
-    if sys.byteorder == "little":
-        a.byteswap()
-    return a
 
 
 class BrokerState:
@@ -1167,7 +1152,7 @@ class BrokerState:
                     out = []
                     for qid, lo, hi in qs:
                         cols = frozen.columns(qid, lo, hi)
-                        row: list[object] = [lo, *(_u64_bytes(a) for a in cols)]
+                        row: list[object] = [lo, *(big_endian_bytes(a) for a in cols)]
                         if with_records:
                             row.append(frozen.records(cols[0]))
                         out.append(row)
@@ -1293,7 +1278,7 @@ class BrokerState:
             for qv in lst(qs):
                 parts = lst(qv)
                 mn, phys, sizes, tags, ts = parts[:5]
-                cols = tuple(_from_bytes("q", b(x)) for x in (phys, sizes, tags, ts))
+                cols = tuple(from_big_endian("q", b(x)) for x in (phys, sizes, tags, ts))
                 n = len(cols[0])
                 if not all(len(c) == n for c in cols):
                     raise ValueError("queue arrays of different lengths")

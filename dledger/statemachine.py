@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import struct
+import sys
 import zlib
 from array import array
 from collections import deque
@@ -82,11 +83,36 @@ class SnapshotError(ValueError):
     """A state machine snapshot that cannot be restored (damaged or foreign)."""
 
 
-_LSM_MAGIC = b"DLLSM\x00\x00\x01"
+# Version 2 stores the records as three big-endian columns (every index,
+# then every term, then every CRC), written and read as whole arrays: a
+# checkpoint of 80,000 records took about 40 ms of Python packing on the
+# event loop (once a second, the produce p99 at low load) and now takes a
+# copy. Version 1 (one ``>QQI`` row per record) is still read.
+_LSM_MAGIC = b"DLLSM\x00\x00\x02"
+_LSM_MAGIC_V1 = b"DLLSM\x00\x00\x01"
 _LSM_HEAD = struct.Struct(">8sQQQ")  # magic, last_applied, records, recent payloads
-_LSM_RECORD = struct.Struct(">QQI")  # index, term, crc32(data)
+_LSM_RECORD = struct.Struct(">QQI")  # version 1: index, term, crc32(data)
 _LSM_RECENT = struct.Struct(">QQI")  # index, term, payload length
 _CRC = struct.Struct(">I")
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+def big_endian_bytes(values: array[int]) -> bytes:
+    """An array's items as big-endian bytes (a copy and a swap, no loop)."""
+    if _BIG_ENDIAN:
+        return values.tobytes()
+    swapped = values[:]
+    swapped.byteswap()
+    return swapped.tobytes()
+
+
+def from_big_endian(typecode: str, raw: bytes) -> array[int]:
+    """The array that :func:`big_endian_bytes` wrote ``raw`` from."""
+    out = array(typecode)
+    out.frombytes(raw)
+    if not _BIG_ENDIAN:
+        out.byteswap()
+    return out
 
 
 class LogStateMachine:
@@ -118,7 +144,7 @@ class LogStateMachine:
         # 20 bytes a record instead of ~150 for a list of int tuples).
         self._idx = array("q")
         self._term = array("q")
-        self._crc = array("L")
+        self._crc = array("I")  # 4 bytes (``L`` is 8 on 64-bit Linux)
         self.last_applied = 0
         # The most recent small payloads, so an operator (and the demo) can
         # read back what was written; bounded so memory stays flat.
@@ -168,8 +194,7 @@ class LogStateMachine:
 
         def build() -> bytes:
             parts = [_LSM_HEAD.pack(_LSM_MAGIC, last_applied, len(idx), len(recent))]
-            pack = _LSM_RECORD.pack
-            parts.extend(map(pack, idx, term, crc))
+            parts += (big_endian_bytes(idx), big_endian_bytes(term), big_endian_bytes(crc))
             for r_index, r_term, data in recent:
                 parts.append(_LSM_RECENT.pack(r_index, r_term, len(data)))
                 parts.append(data)
@@ -187,17 +212,23 @@ class LogStateMachine:
         if zlib.crc32(body) != _CRC.unpack_from(data, len(body))[0]:
             raise SnapshotError("log state machine snapshot CRC mismatch")
         magic, applied, n_records, n_recent = _LSM_HEAD.unpack_from(body, 0)
-        if magic != _LSM_MAGIC:
+        if magic not in (_LSM_MAGIC, _LSM_MAGIC_V1):
             raise SnapshotError("not a log state machine snapshot")
         off = _LSM_HEAD.size
-        end = off + n_records * _LSM_RECORD.size
+        end = off + n_records * _LSM_RECORD.size  # 20 bytes a record in both versions
         if end > len(body):
             raise SnapshotError("log state machine snapshot overruns its records")
-        a_idx, a_term, a_crc = array("q"), array("q"), array("L")
-        for i, t, c in _LSM_RECORD.iter_unpack(body[off:end]):
-            a_idx.append(i)
-            a_term.append(t)
-            a_crc.append(c)
+        if magic == _LSM_MAGIC:
+            mid, last = off + 8 * n_records, off + 16 * n_records
+            a_idx = from_big_endian("q", body[off:mid])
+            a_term = from_big_endian("q", body[mid:last])
+            a_crc = from_big_endian("I", body[last:end])
+        else:
+            a_idx, a_term, a_crc = array("q"), array("q"), array("I")
+            for i, t, c in _LSM_RECORD.iter_unpack(body[off:end]):
+                a_idx.append(i)
+                a_term.append(t)
+                a_crc.append(c)
         off = end
         recent: deque[tuple[int, int, bytes]] = deque(maxlen=self._recent.maxlen)
         for _ in range(n_recent):

@@ -3,6 +3,9 @@ restored state machine is indistinguishable from one that applied the log."""
 
 from __future__ import annotations
 
+import struct
+import zlib
+
 import pytest
 
 from broker_adapter.codec import CommandKind, encode_topic
@@ -97,3 +100,41 @@ def test_capped_records_stay_bounded_and_identical_across_a_restore() -> None:
     newest = [e.index for e in ents if e.type is EntryType.NORMAL][-100:]
     assert [r[0] for r in a.records(1, 1000)][-100:] == newest
     assert len(a.snapshot()) < 125 * 20 + 50 * (20 + 40) + 100
+
+
+def _v1_snapshot(applied: int, records: list[tuple[int, int, int]]) -> bytes:
+    """A snapshot in the first layout (one big-endian row per record), as
+    nodes before the columnar layout wrote them into checkpoints."""
+    body = struct.pack(">8sQQQ", b"DLLSM\x00\x00\x01", applied, len(records), 0)
+    body += b"".join(struct.pack(">QQI", *r) for r in records)
+    return body + struct.pack(">I", zlib.crc32(body))
+
+
+def test_records_are_big_endian_columns_and_the_row_layout_still_restores() -> None:
+    a = LogStateMachine(recent_payloads=0)
+    for e in entries(40):
+        a.apply(e)
+    recs = a.records(1, 100)
+    assert any(c >= 1 << 31 for _, _, c in recs)  # CRCs above 2**31 survive
+    raw = a.snapshot()
+    n = len(recs)
+    head = struct.calcsize(">8sQQQ")
+    assert raw[:8] == b"DLLSM\x00\x00\x02"
+    cols = raw[head : head + 20 * n]
+    assert list(struct.unpack(f">{n}q", cols[: 8 * n])) == [r[0] for r in recs]
+    assert list(struct.unpack(f">{n}q", cols[8 * n : 16 * n])) == [r[1] for r in recs]
+    assert list(struct.unpack(f">{n}I", cols[16 * n :])) == [r[2] for r in recs]
+    old = LogStateMachine(recent_payloads=0)
+    old.restore(_v1_snapshot(a.last_applied, recs))
+    assert old.records(1, 100) == recs and old.last_applied == a.last_applied
+    assert old.snapshot() == raw  # written back in the columnar layout
+    # A count of records past the data is refused, in both layouts.
+    bad = bytearray(raw[:-4])
+    struct.pack_into(">Q", bad, 16, n + 1)
+    with pytest.raises(SnapshotError, match="overruns"):
+        old.restore(bytes(bad) + struct.pack(">I", zlib.crc32(bytes(bad))))
+    v1 = bytearray(_v1_snapshot(a.last_applied, recs)[:-4])
+    struct.pack_into(">Q", v1, 16, n + 1)
+    with pytest.raises(SnapshotError, match="overruns"):
+        old.restore(bytes(v1) + struct.pack(">I", zlib.crc32(bytes(v1))))
+    assert old.records(1, 100) == recs  # refused snapshots changed nothing

@@ -106,6 +106,7 @@ from dledger.errors import (
     NotLeader,
     Overloaded,
     ProposalDropped,
+    StorageCorrupted,
     StorageFailed,
     TransferInProgress,
 )
@@ -128,8 +129,12 @@ Consistency = Literal["committed", "linearizable"]
 _MAX_CATCH_UP_ELECTIONS = 4
 _STOP_TIMEOUT_S = 10.0
 # Log entries deleted per compaction step (one small write transaction each,
-# between Readies), so compacting behind a snapshot never stalls the loop.
+# between Readies), so compacting behind a snapshot never stalls the loop:
+# at most this many entries and this many bytes of log (deleting costs about
+# 0.5 ms per MiB of large entries here: 4,096 batched entries of 14 KB took
+# 30 ms, a produce p99 of its own when retention let the log go).
 _COMPACT_STEP = 4096
+_COMPACT_STEP_BYTES = 4 << 20
 # Queued operations (proposals, reads, admin) taken into the core per pass.
 _OPS_PER_PASS = 1024
 # A state machine that lives in the storage (DurableStateMachine) is
@@ -1274,6 +1279,9 @@ class Node:
         if upto <= first or c.upto - 1 > st.last_index():
             self._compact_to = None  # reset meanwhile (a snapshot from the leader)
             return
+        bounded = _compact_step_end(st, first, upto)
+        if bounded < upto:
+            upto, final = bounded, False
         if upto == c.upto:
             term, pos = c.term, c.pos
         else:
@@ -1489,3 +1497,33 @@ class Node:
             _fail(fut, stopped)
         self._ops.clear()
         self._queued_proposals = 0
+
+
+def _compact_step_end(st: NodeStorage, first: int, upto: int) -> int:
+    """The furthest ``end`` in ``(first, upto]`` such that compacting up to
+    ``end`` (dropping entries ``first .. end - 1``) drops at most
+    ``_COMPACT_STEP_BYTES`` of log, and at least one entry. A bisection over
+    entry end positions: a few single-entry reads. A damaged record among
+    them (it is about to be deleted) leaves the step as the count bound made
+    it, as before the byte bound."""
+    front = st.front_pos()
+
+    def end_pos(index: int) -> int:
+        return st.entries(index, index + 1)[0].end_pos
+
+    try:
+        if end_pos(upto - 1) - front <= _COMPACT_STEP_BYTES:
+            return upto
+    except StorageCorrupted:
+        return upto
+    lo, hi = first + 1, upto - 1  # the answer is in [lo, hi]; lo: one entry at least
+    try:
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if end_pos(mid - 1) - front <= _COMPACT_STEP_BYTES:
+                lo = mid
+            else:
+                hi = mid - 1
+    except StorageCorrupted:
+        return upto
+    return lo

@@ -281,6 +281,8 @@ class RawNode:
         if m.type in (MsgType.VOTE, MsgType.PRE_VOTE):
             self._handle_vote_request(m)
             return
+        if m.type in (MsgType.VOTE_RESP, MsgType.PRE_VOTE_RESP):
+            self._learn_commit(m)
         self._step_role(m)
 
     def propose(self, data: bytes) -> int:
@@ -767,7 +769,7 @@ class RawNode:
             # node added and promoted before it applied anything refused the
             # only candidate that could win; node-driven simulator, 2 of 2000
             # seeds).
-            self._send(Message(resp_type, m.frm, self.id, self.term, reject=True))
+            self._send(self._vote_resp(resp_type, m.frm, self.term, reject=True))
             return
         can_vote = (
             self.vote == m.frm
@@ -778,12 +780,36 @@ class RawNode:
             # A pre-vote reply carries the term asked about so the
             # pre-candidate recognises it; a real vote is persisted (hard
             # state in the next Ready) before this reply leaves.
-            self._send(Message(resp_type, m.frm, self.id, m.term))
+            self._send(self._vote_resp(resp_type, m.frm, m.term))
             if m.type is MsgType.VOTE:
                 self._election_elapsed = 0
                 self.vote = m.frm
         else:
-            self._send(Message(resp_type, m.frm, self.id, self.term, reject=True))
+            self._send(self._vote_resp(resp_type, m.frm, self.term, reject=True))
+
+    def _vote_resp(self, t: MsgType, to: int, term: int, reject: bool = False) -> Message:
+        """A vote answer, with our commit index and the term there: a
+        candidate that lost its commit index in a crash learns it back
+        (``_learn_commit``)."""
+        c = self.log.committed
+        return Message(t, to, self.id, term, log_term=self._safe_term(c), commit=c, reject=reject)
+
+    def _learn_commit(self, m: Message) -> None:
+        """A vote answer says entry ``m.commit`` (of term ``m.log_term``) is
+        committed. Where our log holds that same entry, it holds the same
+        prefix (Log Matching), so that prefix is committed here too.
+
+        Without this a survivor could wait for ever: voters {1,2}, leader 2
+        commits its own removal (and holds one more entry), tells 1, and 1
+        crashes before that commit index is durable. 1 restarts with {1,2}
+        and needs 2's vote; 2's longer log refuses it, and 2, no longer a
+        member, never sends anything else (node-driven simulator, seed 33).
+        A leader counts its commit index itself and learns nothing here."""
+        c = m.commit
+        if self.role is Role.LEADER or c <= self.log.committed or c > self.log.last_index():
+            return
+        if m.log_term > 0 and self._safe_term(c) == m.log_term:
+            self.log.commit_to(c)
 
     def _step_candidate(self, m: Message) -> None:
         my_resp = MsgType.PRE_VOTE_RESP if self.role is Role.PRE_CANDIDATE else MsgType.VOTE_RESP

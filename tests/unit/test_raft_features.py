@@ -196,7 +196,7 @@ def test_stickiness_follower_ignores_vote_requests_while_leader_is_alive() -> No
         f.tick()
     f.step(Message(MsgType.PRE_VOTE, 2, 3, 2, log_term=1, index=1))
     assert of_type(read_messages(f), MsgType.PRE_VOTE_RESP) == [
-        Message(MsgType.PRE_VOTE_RESP, 3, 2, 2)
+        Message(MsgType.PRE_VOTE_RESP, 3, 2, 2, log_term=1, commit=1)
     ]
 
 
@@ -213,7 +213,7 @@ def test_stickiness_is_off_without_check_quorum() -> None:
     net = elected(check_quorum=False)
     f = net.nodes[2]
     f.step(Message(MsgType.VOTE, 2, 3, 2, log_term=1, index=1))
-    assert read_messages(f) == [Message(MsgType.VOTE_RESP, 3, 2, 2)]
+    assert read_messages(f) == [Message(MsgType.VOTE_RESP, 3, 2, 2, log_term=1, commit=1)]
 
 
 def test_asymmetric_partition_keeps_a_single_stable_leader() -> None:
@@ -607,7 +607,9 @@ def test_promoted_learner_counts_for_commit() -> None:
     # and the promoted node now votes
     p = net.nodes[4]
     p.step(Message(MsgType.VOTE, 4, 2, 5, log_term=1, index=idx, force=True))
-    assert of_type(read_messages(p), MsgType.VOTE_RESP) == [Message(MsgType.VOTE_RESP, 2, 4, 5)]
+    assert of_type(read_messages(p), MsgType.VOTE_RESP) == [
+        Message(MsgType.VOTE_RESP, 2, 4, 5, log_term=1, commit=3)
+    ]
 
 
 def test_promoting_a_lagging_learner_is_refused() -> None:

@@ -428,14 +428,14 @@ def test_paper_vote_is_persisted_before_the_vote_response_is_sent() -> None:
     r = new_node(1, storage=preload(ents(1), term=1, commit=1))
     r.step(Message(MsgType.VOTE, 1, 2, 2, log_term=1, index=1))
     rd = r.ready()
-    assert list(rd.messages) == [Message(MsgType.VOTE_RESP, 2, 1, 2)]
+    assert list(rd.messages) == [Message(MsgType.VOTE_RESP, 2, 1, 2, log_term=1, commit=1)]
     assert rd.hard_state == HardState(2, 2, 1)
     assert rd.must_sync
     # the same holds when the term does not change (vote cast in the current term)
     r2 = new_node(1, storage=preload(ents(1), term=2, commit=1))
     r2.step(Message(MsgType.VOTE, 1, 3, 2, log_term=1, index=1))
     rd2 = r2.ready()
-    assert list(rd2.messages) == [Message(MsgType.VOTE_RESP, 3, 1, 2)]
+    assert list(rd2.messages) == [Message(MsgType.VOTE_RESP, 3, 1, 2, log_term=1, commit=1)]
     assert rd2.hard_state == HardState(2, 3, 1)
     assert rd2.must_sync
 
@@ -504,7 +504,7 @@ def test_paper_restarted_node_remembers_term_and_vote() -> None:
     its grant to the one it voted for."""
     r = new_node(1, storage=preload(ents(1), term=4, commit=1))
     r.step(Message(MsgType.VOTE, 1, 2, 5, log_term=1, index=1))
-    assert read_messages(r) == [Message(MsgType.VOTE_RESP, 2, 1, 5)]
+    assert read_messages(r) == [Message(MsgType.VOTE_RESP, 2, 1, 5, log_term=1, commit=1)]
     st = storage_of(r)
     st.crash()  # only what was synced survives
     r2 = new_node(1, storage=st, booted=False)
@@ -513,17 +513,22 @@ def test_paper_restarted_node_remembers_term_and_vote() -> None:
         r2.step(Message(MsgType.VOTE, 1, cand, 5, log_term=1, index=1))
         resp = of_type(read_messages(r2), MsgType.VOTE_RESP)
         if cand == 3:
-            assert resp in ([Message(MsgType.VOTE_RESP, 3, 1, 5, reject=True)], [])
+            assert resp in (
+                [Message(MsgType.VOTE_RESP, 3, 1, 5, log_term=1, commit=1, reject=True)],
+                [],
+            )
         assert r2.vote == 2
     for _ in range(E):
         r2.tick()
     read_messages(r2)
     r2.step(Message(MsgType.VOTE, 1, 3, 5, log_term=1, index=1))
     assert of_type(read_messages(r2), MsgType.VOTE_RESP) == [
-        Message(MsgType.VOTE_RESP, 3, 1, 5, reject=True)
+        Message(MsgType.VOTE_RESP, 3, 1, 5, log_term=1, commit=1, reject=True)
     ]
     r2.step(Message(MsgType.VOTE, 1, 2, 5, log_term=1, index=1))
-    assert of_type(read_messages(r2), MsgType.VOTE_RESP) == [Message(MsgType.VOTE_RESP, 2, 1, 5)]
+    assert of_type(read_messages(r2), MsgType.VOTE_RESP) == [
+        Message(MsgType.VOTE_RESP, 2, 1, 5, log_term=1, commit=1)
+    ]
     assert (r2.term, r2.vote) == (5, 2)
 
 
@@ -539,7 +544,9 @@ def test_paper_restarted_node_ignores_votes_for_an_election_timeout() -> None:
         r.tick()
     r.tick()
     r.step(Message(MsgType.VOTE, 1, 2, 2, log_term=1, index=1))
-    assert of_type(read_messages(r), MsgType.VOTE_RESP) == [Message(MsgType.VOTE_RESP, 2, 1, 2)]
+    assert of_type(read_messages(r), MsgType.VOTE_RESP) == [
+        Message(MsgType.VOTE_RESP, 2, 1, 2, log_term=1, commit=1)
+    ]
 
 
 # ===========================================================================

@@ -415,6 +415,41 @@ def test_a_leader_removing_itself_tells_the_others_the_removal_committed() -> No
     assert two.role is Role.LEADER
 
 
+def test_a_survivor_that_lost_the_commit_of_a_removal_learns_it_from_the_removed() -> None:
+    """Voters {1,2}; leader 2 removes itself and appends one more entry that
+    1 never stores. 1 hears that the removal committed, then crashes before
+    that commit index is durable: it restarts with {1,2} and needs 2's vote,
+    but 2 (removed) refuses it, its log being longer. Every vote answer
+    carries the answerer's commit index with the term there; a candidate
+    whose log holds that entry commits up to it, applies the removal and,
+    now the only voter, elects itself (node-driven simulator, seed 33)."""
+    net = Network.of((1, 2))
+    net.elect(2)
+    one, two = net.nodes[1], net.nodes[2]
+    idx = two.propose_conf_change(ConfChange(ConfChangeType.REMOVE_NODE, 2))
+    for m in net.take():
+        net.nodes[m.to].step(m)
+    net.process(1)
+    acks = net.take()
+    two.propose(b"1 never stores this")
+    net.take()  # the append carrying it is lost
+    for m in acks:
+        two.step(m)
+    net.process(2)
+    assert two.config.voters == (1,) and two.role is not Role.LEADER
+    told = [m for m in net.take() if m.to == 1]
+    assert any(m.commit >= idx for m in told)
+    for m in told:
+        one.step(m)
+    assert one.log.committed >= idx  # learned, in memory only
+    one = net.restart(1)  # crashed before the commit index was synced
+    assert one.log.committed < idx and one.config.voters == (1, 2)
+    assert two.log.last_index() > one.log.last_index()
+    net.tick((1,), times=6 * E)
+    assert one.role is Role.LEADER and one.config.voters == (1,)
+    assert one.log.committed > idx
+
+
 def test_a_commit_index_covering_a_membership_change_is_synced() -> None:
     """A lone voter that shrank the configuration to itself has nobody to
     learn its commit index from after a restart: the Ready that applies a

@@ -27,7 +27,14 @@ c. **Ready**: while ``has_ready()``: take ``ready()``; append its entries and
    proposals (group commit); then the messages are sent; then committed
    entries are applied to the state machine in order and their proposers'
    futures resolved; then read states are answered; then ``advance()``.
-   Nothing calls a RawNode input between ``ready()`` and ``advance()``.
+   Nothing calls a RawNode input between ``ready()`` and ``advance()``,
+   with one exception on a leader (``_apply_early``, ``_write_and_apply``):
+   when the Ready's committed entries were all written by earlier Readies,
+   they are applied before its write, and while the write runs the
+   acknowledgements of its term (``MID_WRITE_TYPES``) are stepped and the
+   entries they commit that are durable here are applied at once
+   (``RawNode.take_durable_committed``). Under load an answer then waits
+   for one group commit fewer: the one of the entries proposed after it.
 
 Snapshots
 ---------
@@ -77,7 +84,7 @@ import heapq
 import logging
 import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -86,11 +93,13 @@ from dledger.core.codec import decode_message, encode_message
 from dledger.core.raft import FAULT_LEASE_STALE_CLOCK, RawNode
 from dledger.core.types import (
     EARLY_SEND_TYPES,
+    MID_WRITE_TYPES,
     NONE,
     ClusterConfig,
     Compaction,
     ConfChange,
     ConfChangeType,
+    Entry,
     EntryType,
     Message,
     ReadMode,
@@ -280,6 +289,8 @@ class Node:
             "readies": 0,
             "syncs": 0,
             "inline_syncs": 0,
+            "early_applies": 0,
+            "mid_write_applies": 0,
             "synced_entries": 0,
             "applied_entries": 0,
             "proposals_ok": 0,
@@ -927,12 +938,13 @@ class Node:
                     # A Ready installing a snapshot sends nothing before its sync.
                     if rd.snapshot is None:
                         self._send(rd, early=True)
-                    await self._persist(rd)
+                    early = self._apply_early(rd, r)
+                    await self._persist(rd, r if early else None)
                     if rd.snapshot is not None:
                         self._send(rd, early=True)
                     self._send(rd, early=False)
                     self._send_snapshots(rd)
-                    conf_applied = self._apply(rd)
+                    conf_applied = self._apply(rd, entries=not early)
                     r.advance(rd)
                     self._after_advance(r, rd, conf_applied)
                     self._maybe_checkpoint()
@@ -1066,7 +1078,7 @@ class Node:
             self._pass_ops += 1
             ops.popleft()[1]()
 
-    async def _persist(self, rd: Ready) -> None:
+    async def _persist(self, rd: Ready, r: RawNode | None = None) -> None:
         st = self._storage
         assert st is not None
         self.counters["readies"] += 1
@@ -1093,6 +1105,8 @@ class Node:
                 st.sync()
                 await self._maybe_flush()
                 self.counters["inline_syncs"] += 1
+            elif r is not None:
+                await self._write_and_apply(st, r, rd)
             else:
                 await self.env.offload(self._sync_blocking, st)
             dt = self._clock() - t
@@ -1100,6 +1114,43 @@ class Node:
             self._sync_s_max = max(self._sync_s_max, dt)
             self.counters["syncs"] += 1
             self.counters["synced_entries"] += len(rd.entries)
+
+    async def _write_and_apply(self, st: NodeStorage, r: RawNode, rd: Ready) -> None:
+        """A leader's group commit, with acknowledgements taken in meanwhile.
+
+        While the write runs in its thread, same-term APP_RESP and
+        HEARTBEAT_RESP messages at the head of the inbox are stepped (the
+        only input the core takes between ``ready()`` and ``advance()``,
+        ``MID_WRITE_TYPES``), and the entries they commit that earlier
+        Readies made durable here are applied and answered at once
+        (``take_durable_committed``): an answer no longer waits for the
+        group commit of the entries proposed after it. ``rd``'s own
+        committed entries were applied before the write (``_apply_early``),
+        so the order of application holds."""
+        task = asyncio.ensure_future(self.env.offload(self._sync_blocking, st))
+        inbox = self._inbox
+        max_bytes = self.cfg.max_apply_bytes
+        while True:
+            stepped = 0
+            while inbox and _mid_write_input(inbox[0], r):
+                r.step(inbox.popleft())
+                stepped += 1
+            if stepped:
+                self._pass_msgs += stepped
+                ents = r.take_durable_committed(rd, max_bytes)
+                if ents:
+                    self._apply_entries(ents)
+                    self._release_parked_reads()
+                    self.counters["mid_write_applies"] += 1
+            if task.done():
+                break
+            self._wake.clear()
+            waiter = asyncio.ensure_future(self._wake.wait())
+            try:
+                await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+        task.result()
 
     def _sync_inline(self, rd: Ready) -> bool:
         """Whether this Ready's group commit runs on the loop itself.
@@ -1344,13 +1395,39 @@ class Node:
             if not tr.send(m.to, encode_message(m)):
                 self.counters["send_refused"] += 1
 
-    def _apply(self, rd: Ready) -> list[_Pending]:
+    def _apply_early(self, rd: Ready, r: RawNode) -> bool:
+        """A leader applies its Ready's committed entries before the Ready's
+        write when they are all durable here already (below its new entries:
+        earlier Readies wrote them) and hold no membership change: their
+        answers then do not wait for the group commit of the entries proposed
+        since. Returns whether the Ready's committed entries are all applied
+        now (True when it has none), which lets the write run with
+        ``_write_and_apply``."""
+        if rd.snapshot is not None or r.role is not Role.LEADER:
+            return False
+        ce = rd.committed_entries
+        if not ce:
+            return True
+        if rd.entries and ce[-1].index >= rd.entries[0].index:
+            return False
+        if any(e.type is EntryType.CONF_CHANGE for e in ce):
+            return False
+        self._apply_entries(ce)
+        self.counters["early_applies"] += 1
+        return True
+
+    def _apply(self, rd: Ready, entries: bool = True) -> list[_Pending]:
         """Apply committed entries in order; resolve their proposals. Returns
         the pending membership changes applied, resolved after advance()."""
+        conf_applied = self._apply_entries(rd.committed_entries) if entries else []
+        self._answer_reads(rd)
+        return conf_applied
+
+    def _apply_entries(self, committed: Sequence[Entry]) -> list[_Pending]:
         sm = self.state_machine
         conf_applied: list[_Pending] = []
         work = self._work
-        for e in rd.committed_entries:
+        for e in committed:
             work("apply", 1)
             result = sm.apply(e)
             self.applied = e.index
@@ -1370,8 +1447,11 @@ class Node:
             else:
                 self.counters["proposals_ok"] += 1
                 _resolve(p.future, Applied(e.index, e.term, result))
-        self.counters["applied_entries"] += len(rd.committed_entries)
-        self._pass_applied += len(rd.committed_entries)
+        self.counters["applied_entries"] += len(committed)
+        self._pass_applied += len(committed)
+        return conf_applied
+
+    def _answer_reads(self, rd: Ready) -> None:
         for rs in rd.read_states:
             fut = self._reads.pop(rs.ctx, None)
             if fut is None:
@@ -1382,11 +1462,13 @@ class Node:
             fut = self._reads.pop(rf.ctx, None)
             if fut is not None:
                 _fail(fut, NotLeader(rf.leader_hint))
+        self._release_parked_reads()
+
+    def _release_parked_reads(self) -> None:
         parked = self._parked_reads
         while parked and parked[0][0] <= self.applied:
             index, _, mode, fut = heapq.heappop(parked)
             _resolve(fut, ReadResult(index, self.applied, mode))
-        return conf_applied
 
     def _after_advance(self, r: RawNode, rd: Ready, conf_applied: list[_Pending]) -> None:
         for p in conf_applied:
@@ -1527,3 +1609,8 @@ def _compact_step_end(st: NodeStorage, first: int, upto: int) -> int:
     except StorageCorrupted:
         return upto
     return lo
+
+
+def _mid_write_input(m: Message, r: RawNode) -> bool:
+    """Whether a leader may step ``m`` while its Ready's write is running."""
+    return m.type in MID_WRITE_TYPES and m.term == r.term and r.role is Role.LEADER

@@ -466,6 +466,29 @@ class RawNode:
         self._prev_hs = hs
         return rd
 
+    def take_durable_committed(self, rd: Ready, max_bytes: int) -> tuple[Entry, ...]:
+        """Leader only, while ``rd`` (the Ready last taken) is being written:
+        committed entries after ``rd.committed_entries`` that are durable here
+        already (written by earlier Readies), up to the first membership
+        change. The driver applies them at once, in order, after
+        ``rd.committed_entries``; they are not handed out again. The only
+        input a driver may step meanwhile: same-term APP_RESP and
+        HEARTBEAT_RESP messages (``MID_WRITE_TYPES``)."""
+        if self.role is not Role.LEADER or rd.snapshot is not None:
+            return ()
+        lo = max(self.log.applied, rd.committed_entries[-1].index if rd.committed_entries else 0)
+        hi = min(self.log.committed, self.log.stable_last_index())
+        if hi <= lo:
+            return ()
+        out: list[Entry] = []
+        for e in self.log.entries(lo + 1, hi + 1, max_bytes):
+            if e.type is EntryType.CONF_CHANGE:
+                break
+            out.append(e)
+        if out:
+            self.log.applied_to(out[-1].index)
+        return tuple(out)
+
     def advance(self, rd: Ready) -> None:
         """The driver persisted, sent and applied ``rd``."""
         if rd.snapshot is not None:
@@ -479,7 +502,9 @@ class RawNode:
             for e in rd.committed_entries:
                 if e.type is EntryType.CONF_CHANGE:
                     self._apply_conf_change(decode_conf_change(e.data))
-            self.log.applied_to(rd.committed_entries[-1].index)
+            last_applied = rd.committed_entries[-1].index
+            if last_applied > self.log.applied:  # take_durable_committed went past it
+                self.log.applied_to(last_applied)
         if self.role is Role.LEADER:
             # Our own copy counts toward commit only once it is durable.
             self._progress[self.id].maybe_update(self.log.stable_last_index())

@@ -228,6 +228,10 @@ class ReadFailed:
 EARLY_SEND_TYPES = frozenset({MsgType.APP, MsgType.HEARTBEAT})
 """Message kinds a driver may send before persisting the Ready (see Ready)."""
 
+MID_WRITE_TYPES = frozenset({MsgType.APP_RESP, MsgType.HEARTBEAT_RESP})
+"""Message kinds a leader's driver may step, when of the leader's term, while
+the last Ready's write runs (see ``RawNode.take_durable_committed``)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Ready:
@@ -246,7 +250,11 @@ class Ready:
     2. then the other ``messages`` are sent;
     3. then ``committed_entries`` are applied to the state machine in order
        (they are already durable on a quorum; some may be in ``entries`` of
-       this same Ready, which step 1 made durable here too);
+       this same Ready, which step 1 made durable here too). A leader may
+       apply them before step 1 instead when all are below ``entries``
+       (durable here since earlier Readies), and then, while step 1 runs,
+       step messages of ``MID_WRITE_TYPES`` of its term and apply what
+       :meth:`RawNode.take_durable_committed` returns, in that order;
     4. ``read_states`` may be answered once the state machine has applied
        ``index``; ``read_failures`` are answered with an error at once;
     5. then ``advance(ready)`` is called.

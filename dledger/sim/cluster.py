@@ -1520,6 +1520,9 @@ PROFILES: dict[str, dict[str, Any]] = {
         "voters": 3,
         "learners": 0,
         "scenario": "lost-rewrite",
+        # The old leader must catch up by having its tail rewritten, not by
+        # a snapshot: the new leader keeps the entries behind its snapshots.
+        "snapshot_trailing_entries": 1000,
         "membership": False,
         "transfers": False,
         "keep_down_rate": 0.0,

@@ -337,9 +337,14 @@ class LostRewrite(_Script):
             ):
                 sim.trace(f"scenario: n{self.old} took the new tail; loses power")
                 sim.crash(self.old, self.rng.uniform(0.002, 0.01))
+                # No new writes meanwhile: the leader's appends would rewrite
+                # the restarted node's old tail before a heartbeat names a
+                # commit index inside it (the moment the bug needs).
+                sim.clients_paused = True
                 self.deadline = sim.now + 0.3
                 self.phase = 3
         elif self.phase == 3 and sim.now > self.deadline:
+            sim.clients_paused = False
             self.phase = 0  # again, as long as the run lasts
 
 

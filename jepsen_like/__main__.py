@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="contended workload: clients of each queue (half producers, a third of them "
         "idempotent; the rest read at the head); 0: the legacy --producers/--readers mix "
-        "(default 12; with --groups 6)",
+        f"(default {RunConfig.clients_per_queue}; with --groups 6)",
     )
     r.add_argument(
         "--client-timeout",
@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     if multi and args.learners:
         args.learners = 0  # broker groups are voters only in a multi-group run
     queues = args.queues if args.queues is not None else (2 * args.groups if multi else 3)
-    cpq = args.clients_per_queue if args.clients_per_queue is not None else (6 if multi else 12)
+    default_cpq = 6 if multi else RunConfig.clients_per_queue  # one source, as the README says
+    cpq = args.clients_per_queue if args.clients_per_queue is not None else default_cpq
     unordered = args.unordered if args.unordered is not None else 2 * args.groups
     env = {}
     if args.fault:

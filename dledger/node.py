@@ -146,6 +146,11 @@ _COMPACT_STEP = 4096
 _COMPACT_STEP_BYTES = 4 << 20
 # Queued operations (proposals, reads, admin) taken into the core per pass.
 _OPS_PER_PASS = 1024
+# A pass takes Readies while there are any, for at most this share of the
+# election timeout; then it ends (snapshot, checkpoint and flush housekeeping
+# run) and the next pass starts at once. Under steady load one pass would
+# otherwise chain Readies for as long as answers bring new requests.
+_PASS_BUDGET_SHARE = 1 / 16
 # A state machine that lives in the storage (DurableStateMachine) is
 # checkpointed into the next group commit this often (and at stop), so a
 # restart replays at most about this much of the log.
@@ -923,6 +928,7 @@ class Node:
     async def _run(self) -> None:
         r = self._raft
         assert r is not None
+        budget_s = self.cfg.election_timeout_ms / 1000 * _PASS_BUDGET_SHARE
         try:
             while not self._stopping:
                 await self._wait_for_work()
@@ -959,6 +965,8 @@ class Node:
                     self._catch_up_ticks(r)
                     self._step_inputs(r)
                     await asyncio.sleep(0)
+                    if self._clock() - start > budget_s:
+                        break  # the rest in the next pass, after housekeeping
                 await self._snapshot_housekeeping(r)
                 await self._checkpoint_housekeeping()
                 await self._maybe_flush()
@@ -1000,6 +1008,8 @@ class Node:
     async def _wait_for_work(self) -> None:
         if self._inbox or self._ops or self._stopping:
             return
+        if self._raft is not None and self._raft.has_ready():
+            return  # the last pass ran out of its budget with work left
         loop = asyncio.get_running_loop()
         due = self._due_s()
         if self.cfg.flush == "async":
@@ -1131,6 +1141,7 @@ class Node:
         inbox = self._inbox
         max_bytes = self.cfg.max_apply_bytes
         while True:
+            self._wake.clear()  # before looking: a message queued after this wakes us
             stepped = 0
             while inbox and _mid_write_input(inbox[0], r):
                 r.step(inbox.popleft())
@@ -1144,7 +1155,6 @@ class Node:
                     self.counters["mid_write_applies"] += 1
             if task.done():
                 break
-            self._wake.clear()
             waiter = asyncio.ensure_future(self._wake.wait())
             try:
                 await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)

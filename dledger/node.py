@@ -364,6 +364,8 @@ class Node:
         # A metric only; nothing decides on it.
         self._cpu_mark = self.env.cpu_clock()
         self._loop_cpu_s_max = 0.0
+        # The last pass stopped at its budget with Readies left: no waiting.
+        self._pass_cut = False
         # Per pass: how late it started (vs. the tick it was due for) plus how
         # long it ran; a long one means ticks, heartbeats and lease checks
         # waited that long.
@@ -966,7 +968,8 @@ class Node:
                     self._step_inputs(r)
                     await asyncio.sleep(0)
                     if self._clock() - start > budget_s:
-                        break  # the rest in the next pass, after housekeeping
+                        self._pass_cut = True  # the rest in the next pass, after housekeeping
+                        break
                 await self._snapshot_housekeeping(r)
                 await self._checkpoint_housekeeping()
                 await self._maybe_flush()
@@ -1008,7 +1011,8 @@ class Node:
     async def _wait_for_work(self) -> None:
         if self._inbox or self._ops or self._stopping:
             return
-        if self._raft is not None and self._raft.has_ready():
+        if self._pass_cut:
+            self._pass_cut = False
             return  # the last pass ran out of its budget with work left
         loop = asyncio.get_running_loop()
         due = self._due_s()
@@ -1603,12 +1607,7 @@ def _compact_step_end(st: NodeStorage, first: int, upto: int) -> int:
     def end_pos(index: int) -> int:
         return st.entries(index, index + 1)[0].end_pos
 
-    try:
-        if end_pos(upto - 1) - front <= _COMPACT_STEP_BYTES:
-            return upto
-    except StorageCorrupted:
-        return upto
-    lo, hi = first + 1, upto - 1  # the answer is in [lo, hi]; lo: one entry at least
+    lo, hi = first + 1, upto  # the answer is in [lo, hi]; lo: one entry at least
     try:
         while lo < hi:
             mid = (lo + hi + 1) // 2

@@ -51,7 +51,8 @@ _U64 = struct.Struct("<Q")
 _FLAG_REJECT = 0x01
 _FLAG_FORCE = 0x02
 _FLAG_SNAPSHOT = 0x04
-_KNOWN_FLAGS = _FLAG_REJECT | _FLAG_FORCE | _FLAG_SNAPSHOT
+_FLAG_NO_REPLY = 0x08
+_KNOWN_FLAGS = _FLAG_REJECT | _FLAG_FORCE | _FLAG_SNAPSHOT | _FLAG_NO_REPLY
 
 ENTRY_OVERHEAD = _ENTRY_HDR.size + _CRC.size
 _ENTRY_TYPES: dict[int, EntryType] = {int(t): t for t in EntryType}
@@ -96,6 +97,7 @@ def encode_message(m: Message) -> bytes:
         (_FLAG_REJECT if m.reject else 0)
         | (_FLAG_FORCE if m.force else 0)
         | (_FLAG_SNAPSHOT if m.snapshot is not None else 0)
+        | (_FLAG_NO_REPLY if m.no_reply else 0)
     )
     parts = [
         _MSG_HDR.pack(
@@ -186,6 +188,7 @@ def decode_message(buf: bytes | memoryview) -> Message:
         force=bool(flags & _FLAG_FORCE),
         snapshot=snap,
         snapshot_data=data,
+        no_reply=bool(flags & _FLAG_NO_REPLY),
     )
 
 

@@ -933,7 +933,8 @@ class RawNode:
                     self.log.append(m.entries[conflict - m.index - 1 :])
             ahead = FAULT_FOLLOWER_COMMITS_AHEAD in self._faults  # planted bug: no leader commit
             self.log.commit_to(last_new if ahead else min(m.commit, last_new))
-            self._send(Message(MsgType.APP_RESP, m.frm, self.id, self.term, index=last_new))
+            if not (m.no_reply and not m.entries):
+                self._send(Message(MsgType.APP_RESP, m.frm, self.id, self.term, index=last_new))
         else:
             # Point the leader at the last entry of ours whose term is at most
             # the term it expected at m.index: every entry after it belongs to
@@ -1132,6 +1133,14 @@ class RawNode:
                 index=prev,
                 entries=tuple(ents),
                 commit=self.log.committed,
+                # Nothing to append and everything acknowledged: the message
+                # only moves the follower's commit index, and its answer
+                # would tell us nothing (heartbeats keep the follower's
+                # activity and the lease). With one message per request this
+                # is one frame less per follower per request, and one loop
+                # pass less on the leader. A follower that rejects it (its
+                # log lost the tail it acknowledged) still answers.
+                no_reply=not ents and pr.state is ProgressState.REPLICATE and pr.match == prev,
             )
         )
         pr.sent_entries(

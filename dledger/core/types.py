@@ -73,7 +73,10 @@ class Message:
     """A peer message. One flat shape for every kind, as etcd's raftpb does.
 
     Field use by kind:
-      APP:            index/log_term = the entry before ``entries``; commit
+      APP:            index/log_term = the entry before ``entries``; commit;
+                      no_reply = an append without entries that only carries
+                      the commit index to a follower that acknowledged
+                      everything before it: answered only if rejected
       APP_RESP:       index = last index the sender now matches (success) or
                       the rejected ``index`` (reject); reject_hint = the
                       sender's last index; log_term = term at reject_hint
@@ -102,6 +105,7 @@ class Message:
     force: bool = False
     snapshot: SnapshotMeta | None = None
     snapshot_data: bytes = b""
+    no_reply: bool = False
 
 
 class ConfChangeType(enum.IntEnum):

@@ -8,10 +8,15 @@ each other at the same time. The listener never sends anything after the
 handshake; the dialer learns that a connection died from EOF or a failed write.
 
 Back-pressure: ``send`` appends to a bounded per-peer queue and returns
-``False`` once the queue is full. A dedicated task per peer drains the queue
-in batches (many frames, one ``drain``). While a peer is unreachable its
-queue fills and further sends are refused, so memory stays bounded by
-``max_queue_bytes`` per peer plus one batch in flight.
+``False`` once the queue is full. What a loop turn queued for a connected
+peer whose socket keeps up is written in one batch by a callback at the end
+of that turn (no task switch, no timer: the common case, and most of what a
+one-message entry or an idle heartbeat round costs to send). When the
+socket's buffer is not empty, a dedicated task per peer drains the queue
+instead, in batches (many frames, one ``drain`` under ``write_timeout``).
+While a peer is unreachable its queue fills and further sends are refused,
+so memory stays bounded by ``max_queue_bytes`` per peer plus one batch in
+flight.
 
 Liveness: an idle dialer sends PING every ``keepalive_interval``; a listener
 drops a connection silent for ``idle_timeout``; a write that cannot drain
@@ -103,12 +108,16 @@ class _Peer:
     __slots__ = (
         "addr",
         "connected",
+        "enc",
+        "flush_due",
+        "last_write",
         "node_id",
         "queue",
         "queued_bytes",
         "sessions",
         "task",
         "wakeup",
+        "writer",
     )
 
     def __init__(self, node_id: int, addr: Address) -> None:
@@ -120,6 +129,12 @@ class _Peer:
         self.task: asyncio.Task[None] | None = None
         self.sessions = 0
         self.connected = False
+        # The live session's stream and encoder (None between sessions),
+        # for the end-of-turn flush; only the session's pump sets them.
+        self.writer: asyncio.StreamWriter | None = None
+        self.enc: FrameEncoder | None = None
+        self.flush_due = False  # a flush callback is scheduled
+        self.last_write = 0.0  # loop time of the last frames written
 
 
 def _check_node_id(nid: int, what: str) -> None:
@@ -314,8 +329,48 @@ class TcpTransport:
             return False
         peer.queue.append(payload)
         peer.queued_bytes += n
-        peer.wakeup.set()
+        if peer.writer is None:
+            peer.wakeup.set()  # the next session's pump takes the queue
+        elif not peer.flush_due:
+            peer.flush_due = True
+            asyncio.get_running_loop().call_soon(self._flush, peer)
         return True
+
+    def _flush(self, peer: _Peer) -> None:
+        """End of a loop turn: write what ``send`` queued for ``peer`` in one
+        batch when its socket keeps up; otherwise (bytes still buffered, or
+        no session) leave the queue to the pump, which drains under
+        ``write_timeout``."""
+        peer.flush_due = False
+        writer, enc = peer.writer, peer.enc
+        if not peer.queue:
+            return
+        if (
+            writer is None
+            or enc is None
+            or writer.transport.is_closing()
+            or writer.transport.get_write_buffer_size()
+        ):
+            peer.wakeup.set()
+            return
+        self._write_batch(peer, writer, enc)
+
+    def _write_batch(self, peer: _Peer, writer: asyncio.StreamWriter, enc: FrameEncoder) -> int:
+        """Encode and write queued frames, up to ``max_batch_bytes``; the
+        number of frames written."""
+        chunks: list[bytes] = []
+        size = 0
+        queue = peer.queue
+        while queue and size < self._max_batch_bytes:
+            payload = queue.popleft()
+            chunks.append(enc.encode(FrameKind.DATA, payload))
+            size += len(payload)
+        peer.queued_bytes -= size
+        writer.writelines(chunks)
+        peer.last_write = asyncio.get_running_loop().time()
+        self._c["frames_sent"] += len(chunks)
+        self._c["bytes_sent"] += size
+        return len(chunks)
 
     def update_peers(self, peers: Mapping[int, Address]) -> None:
         """Replace the peer set (membership change).
@@ -530,28 +585,34 @@ class TcpTransport:
             logger.info("node %d: connection to node %d lost: %r", self.node_id, peer.node_id, r)
 
     async def _pump(self, peer: _Peer, writer: asyncio.StreamWriter, enc: FrameEncoder) -> None:
-        while True:
-            if not peer.queue:
-                peer.wakeup.clear()
-                try:
-                    async with asyncio.timeout(self._keepalive_interval):
-                        await peer.wakeup.wait()
-                except TimeoutError:
-                    writer.write(enc.encode(FrameKind.PING))
-                    self._c["pings_sent"] += 1
-                    await self._drain(writer, 0)
-                    continue
-            chunks: list[bytes] = []
-            size = 0
-            while peer.queue and size < self._max_batch_bytes:
-                payload = peer.queue.popleft()
-                peer.queued_bytes -= len(payload)
-                chunks.append(enc.encode(FrameKind.DATA, payload))
-                size += len(payload)
-            writer.writelines(chunks)
-            self._c["frames_sent"] += len(chunks)
-            self._c["bytes_sent"] += size
-            await self._drain(writer, len(chunks))
+        """The session's writer of last resort: takes the queue when the
+        end-of-turn flush cannot (the socket's buffer is not empty, or the
+        session just began) and drains under ``write_timeout``; sends PING
+        after ``keepalive_interval`` without a frame written."""
+        loop = asyncio.get_running_loop()
+        peer.writer, peer.enc = writer, enc
+        peer.last_write = loop.time()
+        try:
+            while True:
+                if not peer.queue:
+                    peer.wakeup.clear()
+                    quiet = loop.time() - peer.last_write
+                    try:
+                        async with asyncio.timeout(max(0.0, self._keepalive_interval - quiet)):
+                            await peer.wakeup.wait()
+                    except TimeoutError:
+                        if loop.time() - peer.last_write < self._keepalive_interval:
+                            continue  # the flush wrote meanwhile
+                        writer.write(enc.encode(FrameKind.PING))
+                        peer.last_write = loop.time()
+                        self._c["pings_sent"] += 1
+                        await self._drain(writer, 0)
+                        continue
+                frames = self._write_batch(peer, writer, enc)
+                await self._drain(writer, frames)
+        finally:
+            if peer.writer is writer:
+                peer.writer = peer.enc = None
 
     async def _drain(self, writer: asyncio.StreamWriter, frames: int) -> None:
         try:

@@ -54,6 +54,7 @@ def messages(mtype: st.SearchStrategy[MsgType] | None = None) -> st.SearchStrate
         reject_hint=U64,
         context=U64,
         force=st.booleans(),
+        no_reply=st.booleans(),
     )
 
 
@@ -109,6 +110,7 @@ def test_codec_message_round_trip_examples() -> None:
     es = (Entry(5, 2, EntryType.NOOP, b"", 10), Entry(6, 2, EntryType.CONF_CHANGE, b"\x01" * 9, 10))
     for m in (
         Message(MsgType.APP, 2, 1, 3, log_term=2, index=4, entries=es, commit=4),
+        Message(MsgType.APP, 2, 1, 3, log_term=2, index=6, commit=6, no_reply=True),
         Message(MsgType.APP_RESP, 1, 2, 3, index=4, reject=True, reject_hint=3, log_term=2),
         Message(MsgType.HEARTBEAT, 2, 1, 3, commit=7, context=99),
         Message(MsgType.VOTE, 2, 1, 3, log_term=2, index=6, force=True),
@@ -341,10 +343,10 @@ def test_codec_conf_change_corruption_is_rejected() -> None:
             decode_conf_change(bad)
 
 
-@pytest.mark.parametrize("flags", [0x08, 0x80, 0xF8])
+@pytest.mark.parametrize("flags", [0x10, 0x80, 0xF8])
 def test_codec_unknown_flag_bits_are_rejected(flags: int) -> None:
-    """One encoding per value: flag bits other than reject (1), force (2) and
-    snapshot (4) are refused even behind a valid CRC. (Regression: 29faa4f ignored them, so
+    """One encoding per value: flag bits other than reject (1), force (2),
+    snapshot (4) and no_reply (8) are refused even behind a valid CRC. (Regression: 29faa4f ignored them, so
     two byte strings decoded to the same message.)"""
     body = bytearray(encode_message(Message(MsgType.VOTE, 2, 1, 3))[:-4])
     body[MSG_HDR.size - 5] = flags  # the u8 before n_entries (u32)

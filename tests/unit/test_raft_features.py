@@ -921,3 +921,53 @@ def test_restart_over_a_compacted_log_without_its_snapshot_is_refused() -> None:
     assert st.first_index() > 1
     with pytest.raises(InvariantViolation):
         new_node(1, storage=st, booted=False)
+
+
+# ===========================================================================
+# Commit-only appends (no_reply)
+# ===========================================================================
+
+
+def test_commit_only_append_is_not_answered_but_commits() -> None:
+    """Once a quorum acknowledged an entry, the leader tells the followers the
+    new commit index in an append without entries marked ``no_reply``: they
+    commit and apply it, and answer nothing (the answer would repeat an
+    acknowledgement the leader holds). Appends that carry entries, and the
+    probes of a follower the leader is not sure of, are still answered."""
+    net = elected(voters=(1, 2, 3))
+    r = net.nodes[1]
+    net.delivered.clear()
+    r.propose(b"a")
+    net.deliver_all()
+    apps = of_type(net.delivered, MsgType.APP)
+    with_entries = [m for m in apps if m.entries]
+    commit_only = [m for m in apps if not m.entries]
+    assert {m.to for m in with_entries} == {2, 3}
+    assert all(not m.no_reply for m in with_entries)
+    # Node 2's acknowledgement committed the entry (with the leader's own
+    # copy) while node 3's was still on its way: node 2's commit-only
+    # append asks for no answer, node 3's does (the leader must not lose
+    # track of an acknowledgement still in flight).
+    assert [(m.to, m.commit, m.no_reply) for m in commit_only] == [(2, 2, True), (3, 2, False)]
+    resps = sorted(m.frm for m in of_type(net.delivered, MsgType.APP_RESP))
+    assert resps == [2, 3, 3]
+    for nid in (1, 2, 3):
+        assert net.nodes[nid].log.committed == 2
+        assert [e.data for e in net.applied[nid]][-1] == b"a"
+
+
+def test_commit_only_append_is_answered_when_rejected() -> None:
+    """A follower that no longer holds what it acknowledged (an async-mode
+    replica that lost its unsynced tail) rejects a ``no_reply`` append like
+    any other, and its rejection reaches the leader, which then repairs it."""
+    net = elected(voters=(1, 2, 3))
+    r = net.nodes[1]
+    r.propose(b"a")
+    net.deliver_all()
+    idx = r.log.last_index()
+    stale = Message(
+        MsgType.APP, 2, 1, r.term, log_term=r.term, index=idx + 5, commit=idx, no_reply=True
+    )
+    net.nodes[2].step(stale)
+    resp = of_type(read_messages(net.nodes[2]), MsgType.APP_RESP)
+    assert len(resp) == 1 and resp[0].reject and resp[0].index == idx + 5

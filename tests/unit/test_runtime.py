@@ -94,3 +94,48 @@ def test_loop_lag_is_observed_per_pass() -> None:
     assert node.loop_lag_seconds.count == 1
     assert abs(node.loop_lag_seconds.sum - 0.040) < 1e-9
     assert node.status()["id"] == 1
+
+
+class _Leader:
+    """What Node._quiet_input reads of the core."""
+
+    def __init__(self) -> None:
+        from dledger.core.types import NONE, Role
+
+        self.role = Role.LEADER
+        self.term = 3
+        self.transferee = NONE
+
+
+def test_heartbeat_answers_wait_for_the_leaders_next_wake_up() -> None:
+    """An idle leader is not woken by each follower's HEARTBEAT_RESP: the
+    answer waits in the inbox, in order, for the next heartbeat round (the
+    lease counts from the round's send time, so it never lapses for that).
+    A read waiting for a round, a leadership transfer, another term or any
+    other message still wakes the loop at once."""
+    from dledger.core.codec import encode_message
+    from dledger.core.types import Message, MsgType, Role
+
+    node, _clock = _node()
+    core = _Leader()
+    node._raft = core  # type: ignore[assignment]
+
+    def deliver(m: Message) -> bool:
+        node._wake.clear()
+        node._on_message(m.frm, encode_message(m))
+        return node._wake.is_set()
+
+    hb = Message(MsgType.HEARTBEAT_RESP, 1, 2, 3, context=7)
+    assert not deliver(hb)
+    assert not deliver(Message(MsgType.HEARTBEAT_RESP, 1, 3, 3, context=7))
+    assert [m.frm for m in node._inbox] == [2, 3]  # kept, in order
+    assert deliver(Message(MsgType.APP_RESP, 1, 2, 3, index=5))
+    assert deliver(Message(MsgType.HEARTBEAT_RESP, 1, 2, 4, context=8))  # a newer term
+    node._reads[1] = None  # type: ignore[assignment]  # a ReadIndex read waits
+    assert deliver(hb)
+    node._reads.clear()
+    core.transferee = 2
+    assert deliver(hb)
+    core.transferee = 0
+    core.role = Role.FOLLOWER
+    assert deliver(hb)

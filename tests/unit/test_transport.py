@@ -824,3 +824,94 @@ async def test_stop_while_connections_arrive(make: Factory) -> None:
         for _, w in clients:
             await close_raw(w)
         assert open_fds() == before, f"leaked a socket with {turns % 6} turns"
+
+
+async def test_one_turns_frames_leave_in_one_batch_without_the_pump(make: Factory) -> None:
+    """What one loop turn sends to a connected peer is written at the end of
+    that turn in one batch (one socket write), not by waking the peer's
+    pump task: the pump stays parked while the socket keeps up."""
+    (a, _), (b, ib) = await make(1), await make(2)
+    wire_up(a, b)
+    a.send(2, b"hello")
+    await eventually(lambda: len(ib) == 1)
+    peer = a._peers[2]
+    woken: list[int] = []
+    real_set = peer.wakeup.set
+    peer.wakeup.set = lambda: (woken.append(1), real_set())  # type: ignore[method-assign]
+    writes: list[int] = []
+    writer = peer.writer
+    assert writer is not None
+    real_writelines = writer.writelines
+    writer.writelines = lambda chunks: (  # type: ignore[method-assign]
+        writes.append(len(list(chunks := list(chunks)))),
+        real_writelines(chunks),
+    )
+    for i in range(5):
+        assert a.send(2, b"m%d" % i)
+    await eventually(lambda: len(ib) == 6)
+    assert [p for _, p in ib[1:]] == [b"m%d" % i for i in range(5)]
+    assert writes == [5] and woken == []
+
+
+async def test_keepalive_counts_from_the_last_frame_written(make: Factory) -> None:
+    """Frames written by the end-of-turn flush count as traffic: a link
+    that carries a frame more often than ``keepalive_interval`` sends no
+    PING; once it falls silent, PINGs keep it alive."""
+    kw = {"keepalive_interval": 0.2, "idle_timeout": 0.6}
+    (a, _), (b, ib) = await make(1, **kw), await make(2, **kw)
+    wire_up(a, b)
+    a.send(2, b"first")
+    await eventually(lambda: len(ib) == 1)
+    pings = a.stats["pings_sent"]
+    for i in range(12):
+        await asyncio.sleep(0.05)
+        a.send(2, b"%d" % i)
+    await eventually(lambda: len(ib) == 13)
+    assert a.stats["pings_sent"] == pings
+    await asyncio.sleep(0.7)
+    assert a.stats["pings_sent"] >= pings + 2
+    assert b.stats["idle_timeouts"] == 0 and a.stats["reconnects"] == 0
+
+
+async def test_a_peer_that_stops_reading_times_out_the_write(make: Factory) -> None:
+    """A listener that completes the handshake and then never reads: the
+    socket's buffers fill, the end-of-turn flush hands over to the pump,
+    whose drain gives up after ``write_timeout`` and drops the connection;
+    the queue stays bounded and further sends are refused."""
+    stalled: list[asyncio.StreamWriter] = []
+
+    async def listener(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        dec = FrameDecoder()
+        while dec.next_frame() is None:
+            data = await reader.read(4096)
+            if not data:
+                return
+            dec.push(data)
+        writer.write(FrameEncoder().encode(FrameKind.HELLO, _hello(2, 1, secret=False)))
+        stalled.append(writer)  # and never read again
+        await asyncio.sleep(30)
+
+    server = await asyncio.start_server(listener, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        a, _ = await make(
+            1,
+            secret=None,
+            peers={2: ("127.0.0.1", port)},
+            write_timeout=0.3,
+            max_queue_bytes=4 * 1024 * 1024,
+        )
+        await eventually(lambda: bool(stalled))
+        big = b"x" * 60_000
+        refused = 0
+        for _ in range(200):
+            if not a.send(2, big):
+                refused += 1
+            await asyncio.sleep(0)
+        assert refused > 0  # 12 MB offered against a 4 MiB queue and full buffers
+        await eventually(lambda: a.stats["write_timeouts"] >= 1, timeout=5)
+        assert a._peers[2].queued_bytes <= 4 * 1024 * 1024
+    finally:
+        for w in stalled:
+            w.transport.abort()
+        server.close()

@@ -46,13 +46,16 @@ class Figure:
         key: str,
         label: str,
         unit: str,
-        repeats: Iterable[float],
+        repeats: Iterable[float | None],
         *,
         higher_is_better: bool = True,
         peer_key: str | None = None,
         config: dict[str, Any] | None = None,
     ) -> Figure:
-        vals = [float(v) for v in repeats if v == v]  # drop NaN
+        # Drop NaN, and None: a latency of a run in which no operation
+        # succeeded (log_append's 5-voter 1 KiB run lost its leader under
+        # that overload and crashed the whole configuration's figures).
+        vals = [float(v) for v in repeats if v is not None and v == v]
         if not vals:
             nan = float("nan")
             return cls(key, label, unit, nan, nan, nan, 0, higher_is_better, peer_key, config or {})

@@ -206,3 +206,13 @@ def test_runner_records_a_skipped_peer(tmp_path: Path) -> None:
         assert "error" not in b and b["figures"] == []
         assert len(b["loadavg_start"]) == 3 and len(b["loadavg_end"]) == 3
     assert isinstance(results["meta"]["host"]["loadavg_max_1m"], float)
+
+
+def test_a_figure_of_runs_without_a_latency_is_empty_not_a_crash() -> None:
+    """A run in which no operation succeeded reports latencies of None (the
+    5-voter 1 KiB log_append run that lost its leader under overload): the
+    figure drops them like NaN instead of failing the whole benchmark."""
+    f = Figure.of("k", "k", "ms", [None, 3.0, float("nan"), 5.0])
+    assert (f.n, f.min, f.max) == (2, 3.0, 5.0)
+    empty = Figure.of("k", "k", "ms", [None])
+    assert empty.n == 0 and empty.median != empty.median

@@ -356,7 +356,13 @@ class Workload:
         while not self.stop.is_set():
             now = time.monotonic()
             groups = [g for g in self.group_queues if avoid.get(g, 0.0) <= now]
-            g = rng.choice(groups or list(self.group_queues))
+            if groups:
+                g = rng.choice(groups)
+            else:
+                # Every group refused lately: the one refused longest ago (a
+                # dead group keeps refusing, a live one that missed a
+                # deadline once does not).
+                g = min(self.group_queues, key=lambda k: avoid.get(k, 0.0))
             q = rng.choice(self.group_queues[g])
             value = f"u{process}-{n}"
             n += 1

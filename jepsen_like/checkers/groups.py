@@ -132,9 +132,7 @@ def check(history: History, config: RecoveryConfig | None = None) -> dict[str, A
             live = [
                 op
                 for op in produces
-                if op.process not in unordered
-                and _in(op, w)
-                and _queue(op.key) not in dead_queues
+                if op.process not in unordered and _in(op, w) and _queue(op.key) not in dead_queues
             ]
             live_ok += sum(op.status == "ok" for op in live)
             live_n += len(live)

@@ -141,6 +141,21 @@ def _not_leader(node: Node, request: web.Request, exc: NotLeader) -> web.Respons
     )
 
 
+def storage_fault(node: Node, exc: BaseException) -> BaseException:
+    """The error to answer for ``exc``, raised serving a request. A request
+    that met damage in this replica's store (StorageCorrupted) is answered
+    503 and the replica stops (Node.fail_stop; exit 2 from the CLI, to be
+    rebuilt) rather than go on voting and serving around a hole; a request
+    refused because it stopped so is told the damage, not just "stopped"."""
+    if isinstance(exc, StorageCorrupted):
+        fail_stop = getattr(node, "fail_stop", None)  # a controller-mode node has none
+        if fail_stop is not None:
+            fail_stop(exc)
+    elif isinstance(exc, NodeStopped) and isinstance(node.fatal, StorageCorrupted):
+        return node.fatal
+    return exc
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     node = request.app[NODE_KEY]
@@ -154,7 +169,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         resp.headers["WWW-Authenticate"] = exc.challenge
         return resp
     except DLedgerError as exc:
-        return _envelope(error_status(exc), exc.code, str(exc))
+        err = storage_fault(node, exc)
+        return _envelope(error_status(err), getattr(err, "code", exc.code), str(err))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

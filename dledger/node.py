@@ -573,6 +573,19 @@ class Node:
             release, self._release = self._release, None
             release()  # production: closing the lock descriptor releases the flock
 
+    def fail_stop(self, exc: StorageCorrupted) -> None:
+        """Stop on damage found outside the loop: a read met a record of this
+        replica's store that fails its checks (the loop's own reads stop it
+        the same way). From now on nothing is served; the loop ends at its
+        next pass through the same path as a damaged record it read itself,
+        so the process exits 2 and the replica is rebuilt from a healthy
+        peer. A replica that knows part of its log is unreadable must not go
+        on voting, leading or serving the rest as if whole."""
+        if self.fatal is not None or not self._running or self._stopping:
+            return
+        self.fatal = exc
+        self._wake.set()
+
     def _r(self) -> RawNode:
         if self._raft is None or not self.running:
             raise NodeStopped(f"node {self.cfg.node_id} is not running")
@@ -959,6 +972,8 @@ class Node:
         try:
             while not self._stopping:
                 await self._wait_for_work()
+                if self.fatal is not None:
+                    raise self.fatal  # fail_stop(): damage a read found
                 start = self._clock()
                 due = self._due_s()
                 self._pass_msgs = self._pass_ops = self._pass_persisted = self._pass_applied = 0
@@ -1041,7 +1056,7 @@ class Node:
             )
 
     async def _wait_for_work(self) -> None:
-        if self._inbox or self._ops or self._stopping:
+        if self._inbox or self._ops or self._stopping or self.fatal is not None:
             return
         if self._pass_cut:
             self._pass_cut = False

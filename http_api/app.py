@@ -64,14 +64,14 @@ from broker_adapter.state import (
     TopicInfo,
 )
 from dledger import faults
-from dledger.admin_http import BadRequest, Unprocessable
+from dledger.admin_http import BadRequest, Unprocessable, storage_fault
 from dledger.config import DEFAULT_PUBLIC_PATHS
 from dledger.core.types import Role
 from dledger.errors import NotLeader
 from dledger.http_auth import ROUTE_ROLES as APP_ROUTE_ROLES
 from dledger.http_auth import RouteRole
 from dledger.metrics import Histogram, labels_text, render_histogram
-from dledger.node import Node, OutcomeUnknown
+from dledger.node import Node, NodeStopped, OutcomeUnknown
 from http_api import arrow
 from http_api.errors import LeaderNotReady, envelope, error_response, json_response
 from http_api.guard import GUARD_KEY, JSON_BODY
@@ -211,7 +211,7 @@ class BrokerApi:
             code = (exc.reason or "error").upper().replace(" ", "_")
             return envelope(exc.status, code, f"{request.method} {request.path}: {exc.reason}")
         except Exception as exc:
-            resp = error_response(exc)
+            resp = error_response(storage_fault(self.node, exc))
             if resp.status == 500:
                 logger.exception("unhandled error serving %s %s", request.method, request.path)
                 return envelope(500, "INTERNAL", "internal error (a bug: see the node's log)")
@@ -256,6 +256,8 @@ class BrokerApi:
 
     def _require_leader(self) -> None:
         node = self.node
+        if not node.running:  # stopping, or stopped on an error (said by storage_fault)
+            raise NodeStopped(f"node {node.cfg.node_id} is not running")
         if node.role is not Role.LEADER:
             raise NotLeader(node.leader)
         if not node.leader_ready():

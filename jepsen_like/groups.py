@@ -198,6 +198,12 @@ def _merge_replicas(per: dict[str, dict[str, Any]]) -> dict[str, Any]:
             i: v for r in per.values() for i, v in r.get("messages_per_node", {}).items()
         },
         "unreadable_nodes": [i for r in per.values() for i in r.get("unreadable_nodes", [])],
+        "refused_damaged_nodes": [
+            i for r in per.values() for i in r.get("refused_damaged_nodes", [])
+        ],
+        "damage_reports": {
+            i: v for r in per.values() for i, v in r.get("damage_reports", {}).items()
+        },
         "by_group": {
             g: {k: r.get(k) for k in ("verdict", "divergent_offsets", "leader_commit")}
             for g, r in per.items()
@@ -430,7 +436,8 @@ class GroupsRunner(Runner):
                 await self._final_reads(wl, leaders, 90)
                 self.log("comparing the replicas (every queue from every live node, per group)")
                 per = {
-                    g: await replicas.compare(c, TOPIC, cfg.queues) for g, c in self.groups.items()
+                    g: await replicas.compare(c, TOPIC, cfg.queues, damaged=nem.of(c).corrupted)
+                    for g, c in self.groups.items()
                 }
                 self.replicas_result = _merge_replicas(per)
                 self.log(f"replicas: {self.replicas_result['divergent_offsets']} divergent offsets")

@@ -12,6 +12,14 @@ the leader is *behind*, not divergent (it was still catching up). The
 checker is ``valid`` only with zero divergent offsets and no replica that
 could not be read.
 
+A replica whose data file the ``corrupt`` nemesis damaged may start (the
+damage lay outside the tail it verifies at start-up) and find the damage
+only when a read reaches it. It must then answer ``503 STORAGE_CORRUPTED``
+and stop (exit 2, to be rebuilt), never serve around it: such a replica is
+listed under ``refused_damaged_nodes`` and does not make the run invalid.
+The same answer from a replica nothing damaged is a defect of ours and is
+listed under ``unreadable_nodes``.
+
 This is the check issue 20 asks of every power-loss run: after a majority
 power loss in ``flush = "async"`` mode the acknowledged tail may be lost,
 but the replicas must never keep different histories.
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Collection
 from typing import Any
 
 import aiohttp
@@ -38,11 +47,16 @@ async def _get(session: aiohttp.ClientSession, url: str, timeout_s: float) -> tu
         return 0, None
 
 
+class DamageReported(Exception):
+    """The replica answered ``STORAGE_CORRUPTED``: it found damage in its store."""
+
+
 async def read_queue(
     session: aiohttp.ClientSession, http: str, topic: str, queue: int, timeout_s: float = 5.0
 ) -> list[tuple[int, str]] | None:
     """Every message of one queue as served by the node at ``http`` (committed
-    reads from its own state); None when it did not answer."""
+    reads from its own state); None when it did not answer. Raises
+    :class:`DamageReported` when it refuses a read on damage in its store."""
     out: list[tuple[int, str]] = []
     offset = 0
     deadline = time.monotonic() + timeout_s * 6
@@ -55,6 +69,8 @@ async def read_queue(
         )
         if status == 416:
             return out
+        if status == 503 and _code(body) == "STORAGE_CORRUPTED":
+            raise DamageReported(str(body["error"].get("message", "")))
         if status != 200 or not isinstance(body, dict):
             await asyncio.sleep(0.2)
             continue
@@ -66,10 +82,23 @@ async def read_queue(
     return None
 
 
+def _code(body: Any) -> str | None:
+    err = body.get("error") if isinstance(body, dict) else None
+    return str(err.get("code")) if isinstance(err, dict) else None
+
+
 async def compare(
-    cluster: Cluster, topic: str, queues: int, *, timeout_s: float = 60.0, examples: int = 10
+    cluster: Cluster,
+    topic: str,
+    queues: int,
+    *,
+    damaged: Collection[int] = (),
+    timeout_s: float = 60.0,
+    examples: int = 10,
 ) -> dict[str, Any]:
-    """The ``replicas`` checker's result for the live nodes of ``cluster``."""
+    """The ``replicas`` checker's result for the live nodes of ``cluster``;
+    ``damaged``: the nodes whose data the corrupt nemesis damaged and that
+    were not rebuilt since (their ``STORAGE_CORRUPTED`` answers are right)."""
     deadline = time.monotonic() + timeout_s
     target: int | None = None
     caught_up: dict[int, bool] = {}
@@ -86,18 +115,24 @@ async def compare(
     session = await cluster.session()
     views: dict[int, dict[int, list[tuple[int, str]]]] = {}
     unreadable: list[int] = []
+    refused_damaged: list[int] = []
+    damage_reports: dict[int, str] = {}
     for i in cluster.ids:
         if not cluster.alive(i):
             continue
         view: dict[int, list[tuple[int, str]]] = {}
-        for q in range(queues):
-            got = await read_queue(session, cluster.members[i].http, topic, q)
-            if got is None:
-                unreadable.append(i)
-                break
-            view[q] = got
-        else:
-            views[i] = view
+        try:
+            for q in range(queues):
+                got = await read_queue(session, cluster.members[i].http, topic, q)
+                if got is None:
+                    unreadable.append(i)
+                    break
+                view[q] = got
+            else:
+                views[i] = view
+        except DamageReported as exc:
+            damage_reports[i] = str(exc)[:300]
+            (refused_damaged if i in damaged else unreadable).append(i)
     divergent: list[dict[str, Any]] = []
     n_divergent = 0
     for q in range(queues):
@@ -119,6 +154,8 @@ async def compare(
         "examples": divergent,
         "messages_per_node": lengths,
         "unreadable_nodes": unreadable,
+        "refused_damaged_nodes": refused_damaged,
+        "damage_reports": damage_reports,
         "caught_up": caught_up,
         "leader_commit": target,
     }

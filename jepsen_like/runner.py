@@ -283,7 +283,9 @@ class Runner:
                 self.log(f"final reads from leader {lead}")
                 await self._final_reads(wl, lead_http, 60)
                 self.log("comparing the replicas (every queue from every live node)")
-                self.replicas_result = await replicas.compare(c, TOPIC, cfg.queues)
+                self.replicas_result = await replicas.compare(
+                    c, TOPIC, cfg.queues, damaged=nem.corrupted
+                )
                 self.log(
                     f"replicas: {self.replicas_result['divergent_offsets']} divergent offsets, "
                     f"messages per node {self.replicas_result['messages_per_node']}"

@@ -162,6 +162,11 @@ def reasons(results: dict[str, Any], max_per: int = 3) -> dict[str, list[str]]:
                 lines.append(f"queue {ex['queue']} offset {ex['offset']} differs: {held}")
             if r.get("unreadable_nodes"):
                 lines.append(f"nodes {r['unreadable_nodes']} could not be read")
+            if r.get("refused_damaged_nodes"):
+                lines.append(
+                    f"nodes {r['refused_damaged_nodes']} found the damage the corrupt nemesis "
+                    "made and refused to serve it (stopped, to be rebuilt)"
+                )
         if not lines:
             lines.append(f"verdict {v}")
         out[name] = lines

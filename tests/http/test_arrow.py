@@ -20,6 +20,7 @@ from aiohttp.test_utils import TestClient
 from broker_adapter.errors import MalformedCommand
 from dledger.cluster import free_ports, http_request
 from dledger.config import NodeConfig
+from dledger.errors import StorageCorrupted
 from http_api import arrow
 from http_api.server import API_KEY
 from tests.http.apiclient import ApiCluster, wait_for
@@ -220,6 +221,18 @@ async def test_a_damaged_record_is_503_never_served(client: TestClient[Any, Any]
         assert st == 503  # the same log entry carries both messages
     else:
         assert st == 200 and table.column("value").to_pylist() == [b"world"]
+    # Found damage stops the replica (exit 2 from the CLI: rebuild it), and
+    # every later request says why instead of serving around the hole.
+    node = app[API_KEY].node
+    await asyncio.wait_for(node.failed.wait(), 5)
+    assert isinstance(node.fatal, StorageCorrupted) and not node.running
+    for method, p, b in (
+        ("POST", "/v1/topics/t/messages", {"messages": [{"value": "x", "encoding": "utf-8"}]}),
+        ("GET", PAGE.format(t="t", q=0) + "?offset=1", None),
+    ):
+        st, res = await req(client, method, p, b)
+        assert st == 503, res
+        assert err(res)["code"] == "STORAGE_CORRUPTED" and "t/0@0" in err(res)["message"]
     # and the codec check is the one decode_record makes
     from broker_adapter import codec
 

@@ -222,6 +222,8 @@ class RawNode:
         self._lease_disabled = False
         self._lease_min_round = 0  # rounds before it cannot give a lease
         self._need_read_round = False
+        self._active_tick = 0  # leader: the last tick with work in flight (idle heartbeats)
+        self.idle_rounds = 0  # heartbeat rounds sent at the idle interval (a statistic)
         self._pending_reads: list[tuple[int, int, int]] = []  # (ctx, round, index)
         self._reads_before_commit: list[int] = []  # ctx waiting for the no-op
         self._taken: tuple[int, int, int] | None = None  # (last entry idx, term, applied)
@@ -245,13 +247,15 @@ class RawNode:
         at once, which has the same effect as ticking each one. Inputs (a
         message, a proposal) change it; ask again after each."""
         if self.role is Role.LEADER:
-            return max(
-                1,
-                min(
-                    self.cfg.heartbeat_ticks - self._heartbeat_elapsed,
-                    self.cfg.election_ticks - self._election_elapsed,
-                ),
-            )
+            hb_due = self._heartbeat_interval() - self._heartbeat_elapsed
+            if self._idle():
+                # An idle leader wakes for its rounds only: the check-quorum
+                # tick in between waits for the next wake, when the missed
+                # ticks run in order (a step-down at most one round late; the
+                # lease never outlives its own expiry tick, which the driver
+                # checks against the clock before every lease read).
+                return max(1, hb_due)
+            return max(1, min(hb_due, self.cfg.election_ticks - self._election_elapsed))
         if not self._promotable():
             return max(1, self.cfg.election_ticks)  # a learner never campaigns
         return max(1, self._randomized_timeout - self._election_elapsed)
@@ -327,6 +331,7 @@ class RawNode:
         ``ReadFailed(ctx)``. Raises NotLeader on a non-leader."""
         if self.role is not Role.LEADER:
             raise NotLeader(self.lead)
+        self._active_tick = self._tick_count
         if not self._committed_in_term():
             self._reads_before_commit.append(ctx)  # wait for our no-op to commit
             return
@@ -621,6 +626,7 @@ class RawNode:
         self.role = Role.LEADER
         self._step_role = self._step_leader
         self._init_progress()
+        self._active_tick = self._tick_count
         # Raft section 8: a no-op of our term commits everything before it; no
         # read, membership change or lease until it has committed.
         self._append_entry(EntryType.NOOP, b"")
@@ -654,6 +660,8 @@ class RawNode:
                 self._campaign(pre=self.cfg.pre_vote, force=False)
 
     def _tick_leader(self) -> None:
+        if self.cfg.idle_heartbeat_ticks and self._busy():
+            self._active_tick = self._tick_count
         self._heartbeat_elapsed += 1
         self._election_elapsed += 1
         if self._election_elapsed >= self.cfg.election_ticks:
@@ -666,9 +674,34 @@ class RawNode:
                     pr.recent_active = False
             if self._transferee != NONE:
                 self._transferee = NONE  # abort; the lease stays off this term
-        if self._heartbeat_elapsed >= self.cfg.heartbeat_ticks:
+        if self._heartbeat_elapsed >= self._heartbeat_interval():
             self._heartbeat_elapsed = 0
             self._bcast_heartbeat()
+
+    # An idle leader (nothing proposed, read or transferred, every peer
+    # caught up, for IDLE_AFTER_ELECTIONS election timeouts) sends its rounds
+    # every ``idle_heartbeat_ticks`` instead of every ``heartbeat_ticks``:
+    # what an idle cluster costs is mostly these rounds. Still more than one
+    # round per election timeout, so followers stay sticky and the lease is
+    # renewed (both count from rounds, whatever their spacing); the first
+    # proposal or read brings the short interval back at once.
+    IDLE_AFTER_ELECTIONS = 3
+
+    def _heartbeat_interval(self) -> int:
+        return self.cfg.idle_heartbeat_ticks if self._idle() else self.cfg.heartbeat_ticks
+
+    def _idle(self) -> bool:
+        return bool(self.cfg.idle_heartbeat_ticks) and (
+            self._tick_count - self._active_tick
+            >= self.IDLE_AFTER_ELECTIONS * self.cfg.election_ticks
+        )
+
+    def _busy(self) -> bool:
+        """Work in flight: a read waiting, a transfer, a peer not caught up."""
+        if self._pending_reads or self._reads_before_commit or self._transferee != NONE:
+            return True
+        last = self.log.last_index()
+        return any(pr.match < last for nid, pr in self._progress.items() if nid != self.id)
 
     def _reset_randomized_timeout(self) -> None:
         e = self.cfg.election_ticks
@@ -1089,6 +1122,7 @@ class RawNode:
             raise TransferInProgress(f"leadership is being transferred to node {self._transferee}")
         idx = self._append_entry(etype, data)
         self._pending_bcast = True
+        self._active_tick = self._tick_count
         return idx
 
     def _append_entry(self, etype: EntryType, data: bytes) -> int:
@@ -1169,6 +1203,8 @@ class RawNode:
         )
 
     def _bcast_heartbeat(self) -> None:
+        if self._idle():
+            self.idle_rounds += 1
         self._hb_round += 1
         self._hb_sent_tick[self._hb_round] = self._tick_count
         for nid in sorted(self._progress):

@@ -311,6 +311,9 @@ class RaftConfig:
     peers: ClusterConfig
     election_ticks: int = 10
     heartbeat_ticks: int = 1
+    # An idle leader's round interval (0: always heartbeat_ticks); see
+    # RawNode._idle. Between heartbeat_ticks and election_ticks - 1.
+    idle_heartbeat_ticks: int = 0
     lease_drift_ticks: int = 2
     max_inflight_msgs: int = 256
     max_inflight_bytes: int = 8 << 20  # entry bytes in flight per follower (0: unbounded)
@@ -361,6 +364,12 @@ class RaftConfig:
             raise ConfigError("heartbeat_ticks must be >= 1")
         if self.election_ticks <= self.heartbeat_ticks:
             raise ConfigError("election_ticks must be greater than heartbeat_ticks")
+        if self.idle_heartbeat_ticks and not (
+            self.heartbeat_ticks <= self.idle_heartbeat_ticks < self.election_ticks
+        ):
+            raise ConfigError(
+                "idle_heartbeat_ticks must be 0 or within heartbeat_ticks..election_ticks - 1"
+            )
         if self.lease_drift_ticks < 1 or self.lease_ticks < 1:
             raise ConfigError("lease_drift_ticks must be in [1, election_ticks)")
         if not 0 <= self.clock_drift_max < 0.5:

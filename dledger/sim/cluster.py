@@ -106,6 +106,7 @@ class SimConfig:
     tick_ms: int = 10
     election_ticks: int = 10
     heartbeat_ticks: int = 1
+    idle_heartbeat_ticks: int = 6  # an idle leader's round interval (0: off)
     lease_drift_ticks: int = 2
     drift: float = 0.02  # max relative clock-rate error per node
     drop_rate: float = 0.02
@@ -263,6 +264,7 @@ class Simulation:
                 "reads_failed",
                 "committed_reads",
                 "crashes",
+                "idle_rounds",
                 "restarts",
                 "slow_replays",
                 "partitions",
@@ -329,6 +331,7 @@ class Simulation:
             tick_ms=c.tick_ms,
             election_ticks=c.election_ticks,
             heartbeat_ticks=c.heartbeat_ticks,
+            idle_heartbeat_ticks=c.idle_heartbeat_ticks,
             lease_drift_ticks=c.lease_drift_ticks,
             flush="async" if c.flush == "async" else "sync",
             flush_interval_ms=100,
@@ -463,8 +466,14 @@ class Simulation:
             for n, lv in level.items():
                 logging.getLogger(n).setLevel(lv)
             for h in list(self.hosts.values()):
+                self._count_idle_rounds(h)
                 h.loop.discard()
         return self
+
+    def _count_idle_rounds(self, h: Host) -> None:
+        r = getattr(h.node, "_raft", None)
+        if r is not None:
+            self.stats["idle_rounds"] += r.idle_rounds
 
     def _run(self) -> None:
         c = self.cfg
@@ -1119,6 +1128,7 @@ class Simulation:
         h.alive = False
         h.loop.discard()
         h.storage.crash()
+        self._count_idle_rounds(h)
         self.stats["crashes"] += 1
         self.trace(f"{why} n{nid}")
         if restart_after_s is None:
@@ -1390,6 +1400,22 @@ PROFILES: dict[str, dict[str, Any]] = {
         "stale_leader_reads": 0.5,
         "membership": False,
     },
+    "idle": {
+        "min_steps": 25000,
+        # sparse clients: the leader falls idle between them and stretches its
+        # rounds (idle_heartbeat_ticks), while pauses, partitions and clock
+        # drift test that the lease and stickiness still hold across the
+        # longer gaps, and that the first request after idling is served.
+        "voters": 3,
+        "learners": 0,
+        "client_per_s": 4.0,
+        "quiet_client_per_s": 4.0,
+        "stale_leader_reads": 0.5,
+        "pause_rate": 0.002,
+        "partition_rate": 0.002,
+        "idle_heartbeat_ticks": 8,
+        "membership": False,
+    },
     "stall": {
         "min_steps": 25000,
         # loops stalled in the middle of a pass (GC, a huge batch) while
@@ -1456,6 +1482,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "check_quorum": False,
         "pre_vote": False,
         "election_ticks": 4,
+        "idle_heartbeat_ticks": 0,
         "lease_drift_ticks": 1,
         "max_delay_s": 0.02,
         "drop_rate": 0.1,

@@ -7,6 +7,8 @@ messages and state.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from dledger.core.raft import RawNode
@@ -971,3 +973,84 @@ def test_commit_only_append_is_answered_when_rejected() -> None:
     net.nodes[2].step(stale)
     resp = of_type(read_messages(net.nodes[2]), MsgType.APP_RESP)
     assert len(resp) == 1 and resp[0].reject and resp[0].index == idx + 5
+
+
+# ===========================================================================
+# Idle heartbeat rounds
+# ===========================================================================
+
+
+def _round_ticks(net: Network, ticks: int) -> list[int]:
+    """Tick the leader ``ticks`` times (the followers too, delivering after
+    each); the leader's tick counts at which it sent a heartbeat round."""
+    leader = net.nodes[1]
+    sent = []
+    for _ in range(ticks):
+        net.tick()
+        if any(m.type is MsgType.HEARTBEAT and m.frm == 1 for m in net.delivered):
+            sent.append(leader.tick_count)
+        net.delivered.clear()
+    return sent
+
+
+def test_an_idle_leader_stretches_its_rounds_and_a_request_shortens_them_at_once() -> None:
+    """heartbeat_ticks 2, idle_heartbeat_ticks 6 (E = 10): rounds every 2
+    ticks while anything happened in the last 3 election timeouts, then
+    every 6, during which the followers stay sticky and the lease stays
+    held; ticks_until_due lets the driver sleep through to the next round.
+    A proposal or a read brings the 2-tick rounds back at once."""
+    net = elected(heartbeat_ticks=2, idle_heartbeat_ticks=6)
+    leader = net.nodes[1]
+    busy = _round_ticks(net, 3 * E)
+    assert all(b - a == 2 for a, b in itertools.pairwise(busy)), busy
+    idle = _round_ticks(net, 4 * E)
+    gaps = {b - a for a, b in itertools.pairwise(idle)}
+    assert gaps == {6}, idle
+    assert leader.idle_rounds >= 5
+    assert leader.ticks_until_due() <= 6
+    assert leader.role is Role.LEADER and leader.lease_valid()
+    for nid in (2, 3):  # sticky: a vote request from anyone is refused
+        assert net.nodes[nid]._in_stickiness()
+
+    assert leader._idle()
+    leader.propose(b"x")
+    net.deliver_all()
+    assert not leader._idle() and leader.ticks_until_due() <= 2
+    after = _round_ticks(net, E)
+    assert all(b - a == 2 for a, b in itertools.pairwise(after)), after
+
+    # Idle again, then a read: the short interval is back at once.
+    _round_ticks(net, 4 * E)
+    assert leader._idle()
+    leader.read_index(7)
+    net.deliver_all()
+    assert not leader._idle() and leader.ticks_until_due() <= 2
+
+
+def test_a_lagging_follower_keeps_the_leader_busy() -> None:
+    """A follower that has not acknowledged the leader's last entry (cut
+    off) keeps the short rounds: it is probed at the usual pace."""
+    net = elected(heartbeat_ticks=2, idle_heartbeat_ticks=6)
+    leader = net.nodes[1]
+    net.isolate(3)
+    leader.propose(b"y")
+    net.deliver_all()
+    rounds = _round_ticks(net, 5 * E)
+    tail = rounds[len(rounds) // 2 :]
+    assert all(b - a == 2 for a, b in itertools.pairwise(tail)), rounds
+    assert leader.idle_rounds == 0
+
+
+def test_idle_heartbeat_ticks_is_validated() -> None:
+    from dledger.core.types import ClusterConfig, RaftConfig
+    from dledger.errors import ConfigError
+
+    for bad in (1, 10, 11):  # below heartbeat_ticks, at or above election_ticks
+        with pytest.raises(ConfigError, match="idle_heartbeat_ticks"):
+            RaftConfig(
+                node_id=1,
+                peers=ClusterConfig((1,), ()),
+                election_ticks=10,
+                heartbeat_ticks=2,
+                idle_heartbeat_ticks=bad,
+            ).validate()

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,23 +26,11 @@ import pytest
 
 from dledger.storage.lmdb_store import LmdbStorage
 from jepsen_like import replicas
-from jepsen_like.control import Cluster, RunLock, kill_stale
+from jepsen_like.control import Cluster
 
 pytestmark = [pytest.mark.jepsen, pytest.mark.timeout(240)]
 
 TOPIC = "dmg"
-
-
-@pytest.fixture
-def machine() -> Iterator[None]:
-    lock = RunLock()
-    if not lock.acquire(1800, lambda m: print(m, file=sys.stderr, flush=True)):
-        pytest.fail("another jepsen_like run held the machine lock for 30 minutes")
-    kill_stale()
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 async def _until(pred: Any, timeout_s: float, what: str) -> Any:

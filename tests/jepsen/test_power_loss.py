@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +18,7 @@ import aiohttp
 import pytest
 
 from jepsen_like import replicas
-from jepsen_like.control import Cluster, RunLock, kill_stale, unmount_stale
+from jepsen_like.control import Cluster
 from jepsen_like.lazyfs import why_unavailable
 from jepsen_like.nemesis import rebuild_replica
 
@@ -30,20 +28,6 @@ WHY = why_unavailable()
 needs_lazyfs = pytest.mark.skipif(WHY is not None, reason=f"needs lazyfs: {WHY}")
 
 TOPIC = "pl"
-
-
-@pytest.fixture
-def machine() -> Iterator[None]:
-    """The harness's machine lock (one cluster of namespaces/mounts at a time)."""
-    lock = RunLock()
-    if not lock.acquire(1800, lambda m: print(m, file=sys.stderr, flush=True)):
-        pytest.fail("another jepsen_like run held the machine lock for 30 minutes")
-    kill_stale()
-    unmount_stale()
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 async def _until(pred: Any, timeout_s: float, what: str) -> Any:

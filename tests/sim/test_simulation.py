@@ -98,16 +98,23 @@ def test_power_loss_profile_forks_histories_and_rebuilds_the_diverged() -> None:
     profile must really produce what it checks: acknowledged writes lost,
     survivors that committed a tail the new leaders rewrote (each stops on
     ReplicaDiverged and is rebuilt), and convergence afterwards."""
-    power_losses = rebuilt = lost = 0
-    for seed in range(1, 5):
+    totals = _stat_totals("power-loss", ("power_losses", "rebuilt", "acked_lost"))
+    assert totals["power_losses"] >= 40 and totals["rebuilt"] >= 8, totals
+    assert totals["acked_lost"] > 0, totals
+
+
+def _stat_totals(profile: str, keys: tuple[str, ...], seeds: range = range(1, 5)) -> dict[str, int]:
+    """``keys`` of the simulator's stats summed over ``seeds`` of ``profile``
+    (5,000 steps each); a violation fails the test with its reproduction."""
+    totals = dict.fromkeys(keys, 0)
+    for seed in seeds:
         try:
-            sim = run(seed, steps=5000, profile="power-loss")
+            sim = run(seed, steps=5000, profile=profile)
         except SimViolation as v:
             pytest.fail(str(v))
-        power_losses += sim.stats["power_losses"]
-        rebuilt += sim.stats["rebuilt"]
-        lost += sim.stats["acked_lost"]
-    assert power_losses >= 40 and rebuilt >= 8 and lost > 0
+        for k in keys:
+            totals[k] += sim.stats[k]
+    return totals
 
 
 def test_idle_profile_stretches_rounds_and_still_serves_lease_reads() -> None:
@@ -115,15 +122,8 @@ def test_idle_profile_stretches_rounds_and_still_serves_lease_reads() -> None:
     interval, and lease reads are served across them (the same runs find no
     violation, test_emphasis_profiles_have_no_violation; and the planted
     lease bug is caught in them, SWITCHES)."""
-    idle = lease = 0
-    for seed in range(1, 5):
-        try:
-            sim = run(seed, steps=5000, profile="idle")
-        except SimViolation as v:
-            pytest.fail(str(v))
-        idle += sim.stats["idle_rounds"]
-        lease += sim.stats["lease_reads"]
-    assert idle >= 100 and lease >= 20, (idle, lease)
+    totals = _stat_totals("idle", ("idle_rounds", "lease_reads"))
+    assert totals["idle_rounds"] >= 100 and totals["lease_reads"] >= 20, totals
 
 
 def test_membership_goes_down_to_one_voter() -> None:

@@ -160,11 +160,12 @@ class NodeConfig:
     # its length.
     heartbeat_ticks: int = 5
     # An idle leader (nothing proposed, read or transferred and every peer
-    # caught up for three election timeouts) sends a round every 160 ms
-    # instead: still nearly two rounds per shortest election timeout, so
-    # followers stay sticky and the lease renews; the first request brings
-    # the 100 ms rounds back. 0: always heartbeat_ticks.
-    idle_heartbeat_ticks: int = 8
+    # caught up for three election timeouts) spaces its rounds this many
+    # ticks apart instead: -1 (auto) is 8/15 of the election timeout, 8
+    # ticks (160 ms) with the defaults, still nearly two rounds per shortest
+    # election timeout, so followers stay sticky and the lease renews; the
+    # first request brings the short rounds back. 0: always heartbeat_ticks.
+    idle_heartbeat_ticks: int = -1
     lease_drift_ticks: int = 3
     # Durability: "sync" fsyncs every group commit; "async" fsyncs every
     # flush_interval_ms and loses acknowledged writes if a majority loses power.
@@ -276,6 +277,13 @@ class NodeConfig:
         )
 
     @property
+    def idle_heartbeat_interval_ticks(self) -> int:
+        """``idle_heartbeat_ticks`` with -1 (auto) resolved."""
+        if self.idle_heartbeat_ticks != -1:
+            return self.idle_heartbeat_ticks
+        return max(self.heartbeat_ticks, self.election_ticks * 8 // 15)
+
+    @property
     def election_timeout_ms(self) -> int:
         return self.election_ticks * self.tick_ms
 
@@ -308,7 +316,7 @@ class NodeConfig:
             peers=ClusterConfig(self.voters(), self.learners()),
             election_ticks=self.election_ticks,
             heartbeat_ticks=self.heartbeat_ticks,
-            idle_heartbeat_ticks=self.idle_heartbeat_ticks,
+            idle_heartbeat_ticks=self.idle_heartbeat_interval_ticks,
             lease_drift_ticks=self.lease_drift_ticks,
             max_inflight_msgs=self.max_inflight_msgs,
             max_inflight_bytes=self.max_inflight_bytes,

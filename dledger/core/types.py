@@ -368,7 +368,8 @@ class RaftConfig:
             self.heartbeat_ticks <= self.idle_heartbeat_ticks < self.election_ticks
         ):
             raise ConfigError(
-                "idle_heartbeat_ticks must be 0 or within heartbeat_ticks..election_ticks - 1"
+                "idle_heartbeat_ticks must be 0 (off), -1 (auto, in a cluster file) or within "
+                "heartbeat_ticks..election_ticks - 1"
             )
         if self.lease_drift_ticks < 1 or self.lease_ticks < 1:
             raise ConfigError("lease_drift_ticks must be in [1, election_ticks)")

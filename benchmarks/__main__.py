@@ -11,7 +11,10 @@ exit code is 1 when any failed. A benchmark that cannot run here (a peer's
 server not installed) is recorded as ``skipped`` with the reason and does not
 fail the run. The 1-minute load average is recorded at the start and end of
 every benchmark; when it exceeds the number of cores, the report and the goals
-say that the ratios of this run are not trustworthy.
+say that the ratios of this run are not trustworthy. Beside it, each benchmark
+records the share of the machine that processes outside this run used
+(:mod:`benchmarks.hostload`): the load average counts this run's own nodes
+and load generator too, the outside share is the other work.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from benchmarks import (  # noqa: F401
     bench_peers,
     bench_read,
     bench_spark,
+    hostload,
 )
 from benchmarks.goals import evaluate, fmt_value, max_load1
 from benchmarks.registry import REGISTRY, Context, Figure, Skipped
@@ -124,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
             b = REGISTRY[name]
             ctx.log(f"== {name}: {b.summary}")
             tb = time.monotonic()
+            hs0 = hostload.sample()
             entry: dict[str, Any] = {"summary": b.summary, "loadavg_start": list(os.getloadavg())}
             try:
                 r = b.fn(ctx)
@@ -148,6 +153,9 @@ def run(args: argparse.Namespace) -> int:
                 )
             entry["wall_s"] = time.monotonic() - tb
             entry["loadavg_end"] = list(os.getloadavg())
+            entry["outside_cpu_pct"] = hostload.outside_share(
+                hs0, hostload.sample(), entry["wall_s"]
+            )
             ctx.log(f"== {name} done in {entry['wall_s']:.1f}s")
             benches[name] = entry
     finally:
@@ -159,6 +167,14 @@ def run(args: argparse.Namespace) -> int:
     }
     load_after = list(os.getloadavg())
     load1 = max_load1([load_before, load_after], benches)
+    outside = max(
+        (
+            float(b["outside_cpu_pct"])
+            for b in benches.values()
+            if b.get("outside_cpu_pct") is not None
+        ),
+        default=None,
+    )
     results: dict[str, Any] = {
         "schema": SCHEMA,
         "meta": {
@@ -175,10 +191,11 @@ def run(args: argparse.Namespace) -> int:
                 "loadavg_after": load_after,
                 "loadavg_max_1m": load1,
                 "load_trustworthy": load1 <= (os.cpu_count() or 1),
+                "outside_cpu_pct_max": outside,
             },
         },
         "benchmarks": benches,
-        "goals": evaluate(figs, load1=load1, cpus=os.cpu_count()),
+        "goals": evaluate(figs, load1=load1, cpus=os.cpu_count(), outside_pct=outside),
     }
     write_plots(results, out / "plots")
     results = _clean(results)
@@ -189,6 +206,12 @@ def run(args: argparse.Namespace) -> int:
     ctx.log(
         f"load average (1 min): before {load_before[0]:.2f}, after {load_after[0]:.2f}, "
         f"highest recorded {load1:.2f} on {os.cpu_count()} cores"
+        + (
+            f"; processes outside this run used at most {outside:.1f}% of the machine "
+            "during one benchmark"
+            if outside is not None
+            else ""
+        )
     )
     for g in results["goals"]:
         status = {True: "met", False: "NOT MET", None: "n/a"}[g["met"]]

@@ -69,22 +69,35 @@ def max_load1(samples: list[list[float]], benches: dict[str, Any]) -> float:
     return max(vals) if vals else 0.0
 
 
-def load_warning(load1: float | None, cpus: int | None) -> str | None:
-    """Words for a run whose ratios cannot be trusted, or None."""
+def load_warning(
+    load1: float | None, cpus: int | None, outside_pct: float | None = None
+) -> str | None:
+    """Words for a run whose ratios cannot be trusted, or None.
+    ``outside_pct``: the most of the machine processes outside the run used
+    during one benchmark (benchmarks.hostload), said beside the load."""
     if load1 is None or not cpus or load1 <= cpus:
         return None
+    who = (
+        f"processes outside this run used at most {outside_pct:.1f}% of the machine "
+        "during one benchmark; the rest of the load was the run's own"
+        if outside_pct is not None
+        else "other work may have competed for the CPU"
+    )
     return (
-        f"the 1-minute load average reached {load1:.2f} on {cpus} cores (other work "
-        "competed for the CPU): the ratios of this run are not trustworthy"
+        f"the 1-minute load average reached {load1:.2f} on {cpus} cores ({who}): "
+        "the ratios of this run are not trustworthy"
     )
 
 
 def evaluate(
-    figs: dict[str, Figure], load1: float | None = None, cpus: int | None = None
+    figs: dict[str, Figure],
+    load1: float | None = None,
+    cpus: int | None = None,
+    outside_pct: float | None = None,
 ) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if load1 is not None and cpus:
-        warn = load_warning(load1, cpus)
+        warn = load_warning(load1, cpus, outside_pct)
         out.append(
             _goal(
                 "machine not overloaded during the run (highest 1-minute load average)",
@@ -194,7 +207,7 @@ def evaluate(
         )
     )
     out += _peer_goals(figs)
-    warn = load_warning(load1, cpus)
+    warn = load_warning(load1, cpus, outside_pct)
     if warn:
         for g in out:
             if g["value"] is not None and not g["goal"].startswith("machine not overloaded"):

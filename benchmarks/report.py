@@ -12,6 +12,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from benchmarks.goals import load_warning as goals_load_warning
+
 
 def _num(v: float | None, unit: str = "") -> str:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
@@ -61,13 +63,10 @@ def load_warning(results: dict[str, Any]) -> str | None:
     """The run's load warning in words, or None (see benchmarks.goals)."""
     host = results["meta"].get("host", {})
     load1, cpus = host.get("loadavg_max_1m"), host.get("cpus")
-    if load1 is None or not cpus or load1 <= cpus:
+    words = goals_load_warning(load1, cpus, host.get("outside_cpu_pct_max"))
+    if words is None:
         return None
-    return (
-        f"**Warning: the 1-minute load average reached {load1:.2f} on {cpus} cores during "
-        "this run (other work competed for the CPU): the ratios of this run are not "
-        "trustworthy.**"
-    )
+    return f"**Warning: {words}.**"
 
 
 def _met(g: dict[str, Any]) -> str:
@@ -106,9 +105,15 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         if b.get("skipped"):
             lines += [f"**skipped**: {b['skipped']}", ""]
         if b.get("loadavg_start"):
+            outside = b.get("outside_cpu_pct")
             lines += [
                 f"Load average (1 min) at start {b['loadavg_start'][0]:.2f}, "
-                f"at end {b['loadavg_end'][0]:.2f}.",
+                f"at end {b['loadavg_end'][0]:.2f}"
+                + (
+                    f"; processes outside this run used {outside:.1f}% of the machine."
+                    if outside is not None
+                    else "."
+                ),
                 "",
             ]
         if rows[name]:

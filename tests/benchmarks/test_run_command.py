@@ -54,6 +54,9 @@ def test_quick_run_of_reads_writes_the_report(tmp_path: Path) -> None:
 
     bench = results["benchmarks"]["reads"]
     assert "error" not in bench
+    # the other work beside the load average (benchmarks.hostload)
+    assert _number(bench["outside_cpu_pct"]) and bench["outside_cpu_pct"] >= 0
+    assert _number(results["meta"]["host"]["outside_cpu_pct_max"])
     keys = {f["key"] for f in bench["figures"]}
     for kind in ("committed", "lease", "read_index"):
         assert {f"reads.{kind}.p50_ms", f"reads.{kind}.p99_ms"} <= keys
@@ -72,4 +75,5 @@ def test_quick_run_of_reads_writes_the_report(tmp_path: Path) -> None:
 
     md = (out / "results.md").read_text()
     assert "## Goals" in md and "## reads" in md
+    assert "processes outside this run used" in md
     assert "<table>" in (out / "index.html").read_text()

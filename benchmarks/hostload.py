@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from dledger.cluster import proc_stat
+
 _HZ = os.sysconf("SC_CLK_TCK")
 
 
@@ -28,26 +30,15 @@ def _busy_ticks() -> int:
     return user + nice + system + irq + softirq + steal
 
 
-def _stat(pid: str) -> tuple[int, int] | None:
-    """(parent pid, utime + stime + cutime + cstime in ticks), or None."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    rest = raw.rsplit(")", 1)[1].split()
-    # after the command: state ppid ... utime(11) stime(12) cutime(13) cstime(14)
-    return int(rest[1]), sum(int(x) for x in rest[11:15])
-
-
 def _tree_ticks(root: int) -> int:
     """CPU ticks of ``root`` and its live descendants, including what the
     children each of them reaped used."""
     stats: dict[int, tuple[int, int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            st = _stat(entry)
-            if st is not None:
-                stats[int(entry)] = st
+            rest = proc_stat(entry)
+            if rest is not None:  # (parent, utime + stime + cutime + cstime)
+                stats[int(entry)] = (int(rest[1]), sum(int(x) for x in rest[11:15]))
     kids: dict[int, list[int]] = {}
     for pid, (ppid, _) in stats.items():
         kids.setdefault(ppid, []).append(pid)

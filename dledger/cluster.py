@@ -138,14 +138,21 @@ def process_alive(pid: int, start: int | None = None) -> bool:
     return True
 
 
-def cpu_ticks(pid: int) -> int | None:
-    """utime + stime of ``pid`` in clock ticks (Linux), None if gone."""
+def proc_stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (``[0]`` is
+    the state, ``[1]`` the parent pid, ``[11:15]`` utime, stime, cutime,
+    cstime in clock ticks), None if the process is gone."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    rest = raw[raw.rindex(")") + 2 :].split()
-    return int(rest[11]) + int(rest[12])
+    return raw[raw.rindex(")") + 2 :].split()
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """utime + stime of ``pid`` in clock ticks (Linux), None if gone."""
+    rest = proc_stat(pid)
+    return None if rest is None else int(rest[11]) + int(rest[12])
 
 
 class LocalCluster:

@@ -247,8 +247,10 @@ class RawNode:
         at once, which has the same effect as ticking each one. Inputs (a
         message, a proposal) change it; ask again after each."""
         if self.role is Role.LEADER:
-            hb_due = self._heartbeat_interval() - self._heartbeat_elapsed
-            if self._idle():
+            idle = self._idle()
+            hb = self.cfg.idle_heartbeat_ticks if idle else self.cfg.heartbeat_ticks
+            hb_due = hb - self._heartbeat_elapsed
+            if idle:
                 # An idle leader wakes for its rounds only: the check-quorum
                 # tick in between waits for the next wake, when the missed
                 # ticks run in order (a step-down at most one round late; the

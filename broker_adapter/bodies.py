@@ -574,6 +574,8 @@ class SideStorage(Protocol):
 
     def entry_in(self, txn: lmdb.Transaction[Any], index: int) -> Entry | None: ...
 
+    def buffered_tail(self) -> list[Entry]: ...
+
 
 _CKPT_DB = b"broker"
 _CKPT_KEY = b"checkpoint"
@@ -795,9 +797,14 @@ class _OverlayFrozen(_LmdbFrozen):
         over: dict[bytes, bytes | None],
         over_idx: dict[bytes, bytes | None],
         pos_rows: list[tuple[int, int]],
+        tail: list[Entry],
     ) -> None:
         _env, recs, idx = owner._open()
         super().__init__(txn, recs, idx)
+        # Entries the log holds beyond its LMDB image (its write-ahead log
+        # part), taken before ``txn`` was opened.
+        self._tail = tail
+        self._tail_first = tail[0].index if tail else 0
         self._owner = owner
         self._over, self._over_idx = over, over_idx
         self._pos_rows = pos_rows
@@ -820,7 +827,13 @@ class _OverlayFrozen(_LmdbFrozen):
             e = cache.entry
             if e is None or not e.pos <= p < e.end_pos:
                 index = self._owner._index_of(p, self._txn, self._pos_rows, self._pos_deletes)
-                e = st.entry_in(self._txn, index) if index is not None else None
+                e = None
+                if index is not None:
+                    k = index - self._tail_first
+                    if self._tail and 0 <= k < len(self._tail):
+                        e = self._tail[k]
+                    else:
+                        e = st.entry_in(self._txn, index)
                 if e is None:
                     raise RecordNotHere(f"no log entry here holds physical offset {p}")
                 if not e.pos <= p < e.end_pos:
@@ -1254,12 +1267,16 @@ class DurableBodies(LmdbBodies):
 
     def freeze(self) -> Frozen:
         env, _, _ = self._open()
+        st = self._storage
+        assert st is not None
+        tail = st.buffered_tail()  # before the transaction: see buffered_tail
         return _OverlayFrozen(
             env.begin(),
             self,
             dict(self._pending),
             self._cq.frozen(),
             list(self._pos_rows),
+            tail,
         )
 
     def close(self) -> None:

@@ -28,8 +28,10 @@ Control (one JSON object per line on a Unix socket, one reply per request):
     the pending writes of one file (the one written last) persist in order
     up to a point chosen by ``seed`` and the write in flight there is torn
     at a 512-byte sector boundary; everything after it is lost (the model
-    of a disk that persists in order and loses power mid-write). The caller
-    must have killed the process using the files first.
+    of a disk that persists in order and loses power mid-write). With
+    ``"file": "<path under the backing directory>"`` that file is the one
+    torn, when it has pending writes. The caller must have killed the
+    process using the files first.
 ``{"cmd": "fail", "op": "fsync"|"write", "errno": "EIO"|"ENOSPC"}``
     Disk errors from now on: every fsync (or every write) of a regular file
     fails with that errno. A failed fsync also discards that file's pending
@@ -472,13 +474,18 @@ if pyfuse3 is not None:
             f.ops.clear()
             f.size = os.fstat(f.fd).st_size
 
-        def drop(self, tear: bool, seed: int) -> dict[str, Any]:
+        def drop(self, tear: bool, seed: int, file: str | None = None) -> dict[str, Any]:
             rng = random.Random(seed)
             touched = []
             total = 0
             torn_info: dict[str, Any] | None = None
             pending = [(i, f) for i, f in sorted(self.files.items()) if f.ops and f.fd >= 0]
             last_written = max(pending, key=lambda x: len(x[1].ops))[0] if pending else None
+            if file is not None:
+                want = os.path.join(self.backing, file)
+                last_written = next(
+                    (i for i, _ in pending if self.paths.get(i) == want), last_written
+                )
             for inode, f in pending:
                 n = len(f.ops)
                 nbytes = sum(len(d) for _, _, d in f.ops)
@@ -541,7 +548,12 @@ if pyfuse3 is not None:
             if cmd == "stats":
                 return {"ok": True, "pending_bytes": ops.pending_bytes(), **ops.counters}
             if cmd == "drop":
-                out = ops.drop(bool(req.get("tear")), int(req.get("seed", 0)))
+                file = req.get("file")
+                out = ops.drop(
+                    bool(req.get("tear")),
+                    int(req.get("seed", 0)),
+                    file if isinstance(file, str) else None,
+                )
                 for inode in out.pop("inodes"):
                     await trio.to_thread.run_sync(_invalidate, inode)
                 return {"ok": True, **out}

@@ -52,9 +52,10 @@ simulate a crash by closing.
 Flush modes
 -----------
 ``flush="sync"`` (default)
-    The environment is opened with ``sync=True, metasync=True``: every
-    ``sync()`` commit fsyncs data and meta pages before it returns. An
-    acknowledged write survives power loss.
+    Every ``sync()`` is durable before it returns: one record appended to
+    the write-ahead log and fsynced (see "Write-ahead log"), or an LMDB
+    commit opened with ``sync=True, metasync=True`` (data and meta pages
+    fsynced). An acknowledged write survives power loss.
 ``flush="async"``
     The environment is opened with ``sync=False``: ``sync()`` commits the
     transaction into the page cache and returns without fsync, and
@@ -68,6 +69,30 @@ Flush modes
     A change of term or vote is the exception: the commit that records it
     is fsynced at once, so a node never votes twice in one term however it
     loses power.
+
+Write-ahead log
+---------------
+In sync mode a durable LMDB commit costs two flushes of the disk (the pages,
+then the meta page), 1.4-1.9 ms per group commit with three nodes on one
+disk. ``sync()`` instead appends the batch's changes since the last record
+(the entries from the first index changed, the hard state) as one
+CRC-framed record to the file ``wal`` (:mod:`dledger.storage.wal`) and
+fsyncs it: 0.2-0.4 ms. The batch stays in the in-memory view, so reads see
+it as before, and LMDB takes everything logged in one ordinary commit at
+most ``WAL_COMMIT_INTERVAL_S`` later (or when the file reaches
+``WAL_MAX_BYTES``), recording the number of the last record it covers
+under ``wal`` in the meta db; the file is then emptied. A batch that LMDB
+must see at once goes there directly, with everything logged before it: a
+snapshot, a compaction, the owner's side rows, or more than
+``WAL_RECORD_MAX`` bytes of entries. Opening replays the records past the
+covered number into the view and commits them (``wal_replayed``); a torn
+last record (a write whose fsync never returned) is cut off, a damaged
+record followed by later ones is :class:`StorageCorrupted`. ``close()``
+leaves LMDB covering the log unless unsynced writes are buffered (those are
+dropped, as in a crash). Async mode commits LMDB directly and replays a log
+a sync-mode run left behind. :meth:`LmdbStorage.buffered_tail` hands the
+entries only the log holds to readers of a read transaction in other
+threads.
 
 Recovery
 --------
@@ -139,6 +164,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import logging
 import os
 import struct
 import threading
@@ -162,20 +188,23 @@ from dledger.errors import (
     StorageFailed,
 )
 from dledger.metrics import Histogram
+from dledger.storage import wal as _wal
 
 FlushMode = Literal["sync", "async"]
 VerifyMode = Literal["tail", "full"]
 # Something run inside one write transaction; see LmdbStorage._write.
+logger = logging.getLogger(__name__)
+
 _TxnFn: TypeAlias = "Callable[[lmdb.Transaction[bytes]], object]"
 
 DEFAULT_MAP_SIZE = 256 << 20
 DEFAULT_VERIFY_TAIL = 1024
 DEFAULT_FLUSH_INTERVAL_S = 0.2
 
-FORMAT_TAG = b"dledger-lmdb/2"
+FORMAT_TAG = b"dledger-lmdb/3"
 # Format 1 had no parted records (see "Parted records"); a directory in it is
 # read as it is and its tag moved to 2 at open.
-_OLDER_FORMATS = (b"dledger-lmdb/1",)
+_OLDER_FORMATS = (b"dledger-lmdb/1", b"dledger-lmdb/2")
 
 _KEY = struct.Struct(">Q")
 _TRIPLE = struct.Struct(">QQQ")  # hard state and front marker bodies
@@ -186,6 +215,17 @@ _META_FORMAT = b"format"
 _META_HARD_STATE = b"hard_state"
 _META_FRONT = b"front"
 _META_SNAPSHOT = b"snapshot"
+_META_WAL = b"wal"  # the last write-ahead log record this image covers
+
+# The write-ahead log (flush="sync", see dledger/storage/wal.py): LMDB is
+# committed at most this long after the first batch it has not covered yet,
+# or once the log file or the batches held in memory for it reach
+# WAL_MAX_BYTES. A batch whose new entries exceed WAL_RECORD_MAX goes
+# straight to LMDB (a catch-up, a snapshot's worth: writing it twice would
+# cost more than the second flush it saves).
+WAL_COMMIT_INTERVAL_S = 0.5
+WAL_MAX_BYTES = 8 << 20
+WAL_RECORD_MAX = 1 << 20
 # The log's own databases plus these many for the owner's state (side_db).
 MAX_SIDE_DBS = 4
 _OWN_DBS = (b"log", b"meta", b"epochs", b"logparts")
@@ -385,6 +425,7 @@ class LmdbStorage:
         verify: VerifyMode = "tail",
         verify_tail: int = DEFAULT_VERIFY_TAIL,
         max_readers: int = 126,
+        wal: bool = True,
     ) -> None:
         if flush not in ("sync", "async"):
             raise ConfigError(f"flush must be 'sync' or 'async', not {flush!r}")
@@ -403,7 +444,9 @@ class LmdbStorage:
         self.flush_mode: FlushMode = flush
         self.flush_interval_s = flush_interval_s
         # Counters for tests and metrics.
-        self.write_txns = 0  # committed sync() batches
+        self.write_txns = 0  # sync() batches made durable (a WAL record or an LMDB commit)
+        self.lmdb_commits = 0  # of which LMDB transactions
+        self.wal_replayed = 0  # records replayed from the write-ahead log at open
         self.flushes = 0  # explicit fsyncs in async mode
         self.map_growths = 0
         # Durations of the writes that fsync: each group commit in sync mode
@@ -438,6 +481,10 @@ class LmdbStorage:
             self._meta_db = self._env.open_db(b"meta")
             self._epoch_db = self._env.open_db(b"epochs")
             self._recover(full=verify == "full", tail=verify_tail)
+            # The write-ahead log: on in sync mode; read (and replayed) in
+            # any mode, since a directory may have been written in sync mode.
+            self._wal_on = wal and flush == "sync"
+            self._open_wal(durable=durable)
             faults.lose_unsynced_tail(self)  # planted bug skip_fsync (dledger/faults.py)
         except _LMDB_DAMAGE as exc:
             # A damaged B-tree page met while verifying (e.g. MDB_CORRUPTED
@@ -450,6 +497,7 @@ class LmdbStorage:
             ) from exc
         except BaseException:
             # Never leak the environment (and its lock) on a failed open.
+            self._close_wal()
             self._env.close()
             self._closed = True
             raise
@@ -465,6 +513,7 @@ class LmdbStorage:
         verify: VerifyMode = "tail",
         verify_tail: int = DEFAULT_VERIFY_TAIL,
         max_readers: int = 126,
+        wal: bool = True,
     ) -> LmdbStorage:
         """Open (creating if needed) the log in directory ``path``."""
         return cls(
@@ -475,6 +524,7 @@ class LmdbStorage:
             verify=verify,
             verify_tail=verify_tail,
             max_readers=max_readers,
+            wal=wal,
         )
 
     # -- recovery ----------------------------------------------------------
@@ -525,6 +575,15 @@ class LmdbStorage:
         # What the durable image holds, to know what sync() must delete.
         self._durable_last = last
 
+        # The write-ahead log (see _open_wal): the first index changed since
+        # the last record (None: nothing), the hard state that record holds,
+        # the last record's number, and when LMDB last covered the log.
+        self._wal: _wal.Wal | None = None
+        self._wal_from: int | None = None
+        self._wal_hs = hs
+        self._wal_seq = 0
+        self._wal_behind_s: float | None = None  # first record LMDB has not covered
+
         # Async flushing.
         self._unflushed = False
         self._last_flush_s: float | None = None
@@ -545,6 +604,72 @@ class LmdbStorage:
             meta = self._parse_header(snap_header)
             self._snap_file = _snapshot_name(meta)
         self._remove_stale_snapshot_files()
+
+    def _open_wal(self, *, durable: bool) -> None:
+        """Read the write-ahead log, replay the records LMDB does not cover
+        into the view and commit them (see dledger/storage/wal.py)."""
+        w = _wal.Wal(self.path, durable=durable)
+        data = w.read()
+        if not data and not self._wal_on:
+            return  # async mode, and nothing logged in sync mode to replay
+        with self._env.begin(buffers=True) as txn:
+            covered = self._read_wal_covered(txn)
+        res = _wal.scan(data, covered, self.path)
+        if res.torn:
+            logger.warning(
+                "%s: the write-ahead log ends in a torn or damaged record (byte %d of %d); "
+                "its write never completed (nothing in it was acknowledged): cut off",
+                self.path,
+                res.end,
+                len(data),
+            )
+        replay = [(seq, body) for seq, body in res.records if seq > covered]
+        if replay and replay[0][0] != covered + 1:
+            raise self._corrupt(
+                None,
+                f"the LMDB image covers write-ahead log record {covered} but the log "
+                f"resumes at record {replay[0][0]}",
+            )
+        w.open(keep=res.end)
+        self._wal = w
+        self._wal_seq = max([covered] + [seq for seq, _ in res.records])
+        for seq, body in replay:
+            try:
+                rec = _wal.decode_body(seq, body)
+                if rec.trunc_from and rec.trunc_from <= self._last:
+                    self.truncate_from(rec.trunc_from)
+                self.append(rec.entries)
+            except (CodecError, ValueError, Compacted) as exc:
+                raise self._corrupt(
+                    None, f"write-ahead log record {seq} does not apply to the log: {exc}"
+                ) from exc
+            self.save_hard_state(rec.hard_state)
+        self.wal_replayed = len(replay)
+        if replay:
+            self._commit()
+            if self.flush_mode == "async":
+                self._unflushed = True
+                self.flush()  # before the log that held them is emptied
+        if not self._wal_on:
+            self._close_wal(reset=True)
+
+    def _read_wal_covered(self, txn: lmdb.Transaction[memoryview]) -> int:
+        raw = txn.get(_META_WAL, db=self._meta_db)
+        if raw is None:
+            return 0
+        body = _unseal(_META_WAL, raw, _KEY.size)
+        if body is None:
+            raise self._corrupt(None, "the write-ahead log mark failed its CRC check")
+        return _unkey(body)
+
+    def _close_wal(self, *, reset: bool = False) -> None:
+        w, self._wal = getattr(self, "_wal", None), None
+        if w is not None:
+            try:
+                if reset:
+                    w.reset()
+            finally:
+                w.close()
 
     def _check_format(self) -> None:
         with self._env.begin() as txn:
@@ -724,7 +849,9 @@ class LmdbStorage:
     def verify_all(self) -> int:
         """Scan the whole durable log (not buffered writes: ``sync()`` first)
         with the recovery checks. Returns the number of entries checked;
-        raises :class:`StorageCorrupted` on the first bad record."""
+        raises :class:`StorageCorrupted` on the first bad record. What the
+        write-ahead log holds is committed to LMDB first (:meth:`checkpoint`)."""
+        self.checkpoint()
         with self._env.begin(buffers=True) as txn:
             compacted, offset, offset_term, offset_pos = self._read_front(txn)
             epochs = self._read_epochs(txn)
@@ -950,6 +1077,8 @@ class LmdbStorage:
 
         if first <= self._last:
             self._cut(first)
+        if self._wal_from is None or first < self._wal_from:
+            self._wal_from = first
         for e in entries:
             if not self._ep_terms or self._ep_terms[-1] != e.term:
                 self._ep_terms.append(e.term)
@@ -969,6 +1098,8 @@ class LmdbStorage:
     def _cut(self, index: int) -> None:
         """Drop entries >= index (offset < index <= last) from the view."""
         term, end = self._tail_of(index - 1)
+        if self._wal_from is None or index < self._wal_from:
+            self._wal_from = index
         if index >= self._limit:
             del self._pending[index - self._limit :]
         else:
@@ -1151,14 +1282,77 @@ class LmdbStorage:
         )
 
     def sync(self) -> None:
-        """Write the buffered batch in one transaction and make it durable
-        (in async mode: committed to the page cache, see the module doc)."""
+        """Make the buffered batch durable: one write-ahead log record (sync
+        mode, see "Write-ahead log") or one LMDB transaction (in async mode
+        committed to the page cache only, see the module doc)."""
         if self._closed:
             raise ValueError(f"storage in {self.path} is closed")
         if self._failed is not None:
             raise self._failed
         if not self._has_batch():
             return
+        if self._loggable():
+            if self._wal_from is not None or self._hs != self._wal_hs:
+                self._log_batch()
+            if not self._wal_due():
+                return
+        self._commit()
+
+    def _loggable(self) -> bool:
+        """Whether the batch may go to the write-ahead log: appends, cuts at
+        the back and the hard state, not too large; a snapshot, a compaction
+        or the owner's side rows go to LMDB at once."""
+        if self._wal is None or not self._wal_on:
+            return False
+        if self._snap_pending is not None or self._front_dirty or self._side_pending:
+            return False
+        lo = self._wal_from
+        if lo is None:
+            return True
+        if lo < self._limit:
+            return False  # never: every change since the last record is buffered
+        size = 0
+        for e in self._pending[lo - self._limit :]:
+            size += len(e.data)
+            if size > WAL_RECORD_MAX:
+                return False
+        return True
+
+    def _wal_due(self) -> bool:
+        """Whether LMDB should now cover what the write-ahead log holds."""
+        since = self._wal_behind_s
+        if since is None:
+            return False
+        w = self._wal
+        assert w is not None
+        return w.size >= WAL_MAX_BYTES or time.monotonic() - since >= WAL_COMMIT_INTERVAL_S
+
+    def _log_batch(self) -> None:
+        """Append the changes since the last record to the write-ahead log
+        and make them durable."""
+        w = self._wal
+        assert w is not None
+        lo = self._wal_from
+        ents = self._pending[lo - self._limit :] if lo is not None else []
+        seq = self._wal_seq + 1
+        record = _wal.encode_record(seq, self._hs, lo or 0, ents)
+        t0 = time.perf_counter()
+        try:
+            w.append(record)
+        except OSError as exc:
+            raise self._disk_failed("append to the write-ahead log", exc) from exc
+        self.fsync_seconds.observe(time.perf_counter() - t0)
+        self._wal_seq = seq
+        self._wal_from = None
+        self._wal_hs = self._hs
+        self._vote_dirty = False  # fsynced with the record
+        if self._wal_behind_s is None:
+            self._wal_behind_s = time.monotonic()
+        self.write_txns += 1
+
+    def _commit(self) -> None:
+        """Write the whole batch (everything LMDB does not hold yet) in one
+        LMDB transaction; then the write-ahead log is covered and emptied."""
         snap = self._snap_pending
         header: bytes | None = None
         name: str | None = None
@@ -1185,7 +1379,16 @@ class LmdbStorage:
         self._hs_dirty = self._front_dirty = False
         self._dirty_terms.clear()
         self.write_txns += 1
+        self.lmdb_commits += 1
         self._unflushed = self.flush_mode == "async"
+        self._wal_from = None
+        self._wal_hs = self._hs
+        self._wal_behind_s = None
+        if self._wal is not None:
+            try:
+                self._wal.reset()
+            except OSError as exc:
+                raise self._disk_failed("empty the write-ahead log", exc) from exc
         if self._vote_dirty:
             # A term or vote is never left to the flush interval, even in
             # async mode: a vote forgotten in a power loss can be granted
@@ -1205,11 +1408,37 @@ class LmdbStorage:
             self._batch_snap_header = None
             self._remove_stale_snapshot_files()
 
+    def checkpoint(self) -> bool:
+        """Commit to LMDB now what only the write-ahead log holds. Not done
+        (returns False) while buffered writes wait for a ``sync()``: LMDB
+        can only take the whole batch, and those must stay as undurable as
+        a crash would leave them."""
+        if self._failed is not None:
+            raise self._failed
+        if self._wal_behind_s is None or not self._has_batch():
+            return True
+        if self._wal_from is not None or self._hs != self._wal_hs:
+            return False
+        self._commit()
+        return True
+
     def small_batch(self, max_bytes: int) -> bool:
         """Whether the buffered batch is a small append: new entries and side
         rows of at most ``max_bytes`` together, and nothing deleted at either
         end of the log or a snapshot to record. Such a commit touches a few
-        pages, so its caller may run :meth:`sync` without a thread hop."""
+        pages, so its caller may run :meth:`sync` without a thread hop. With
+        the write-ahead log, what counts is what this sync() writes: the
+        entries since the last record, unless LMDB is due to catch up."""
+        if self._loggable() and not self._wal_due():
+            lo = self._wal_from
+            if lo is None:
+                return True
+            size = 0
+            for e in self._pending[lo - self._limit :]:
+                size += len(e.data)
+                if size > max_bytes:
+                    return False
+            return True
         if self._snap_pending is not None or self._front_dirty:
             return False
         if self._limit <= self._durable_last:
@@ -1323,7 +1552,9 @@ class LmdbStorage:
                     f"appended {added} of {len(self._pending)} entries from index "
                     f"{self._pending[0].index}: the durable log still holds keys above it"
                 )
-        # 4. Hard state, snapshot record and epochs.
+        # 4. Hard state, snapshot record, write-ahead log mark and epochs.
+        if self._wal is not None:
+            txn.put(_META_WAL, _seal(_META_WAL, _KEY.pack(self._wal_seq)), db=self._meta_db)
         if self._batch_snap_header is not None:
             txn.put(
                 _META_SNAPSHOT,
@@ -1408,6 +1639,14 @@ class LmdbStorage:
         value = txn.get(_KEY.pack(index), db=self._log_db)
         return None if value is None else self._decode(value, index, txn)
 
+    def buffered_tail(self) -> list[Entry]:
+        """A copy of the entries the view holds beyond LMDB's image (those
+        only the write-ahead log holds, and any not yet synced), in index
+        order. Taken on the owner's thread *before* a read transaction is
+        opened, it and that transaction together hold every entry the view
+        held: an LMDB commit forgets its entries only after it returned."""
+        return list(self._pending)
+
     def side_clear(self, *names: bytes) -> None:
         """Drop every record of the side databases ``names`` now, in one
         transaction of its own (a rebuild of the owner's state; nothing
@@ -1474,9 +1713,11 @@ class LmdbStorage:
             return
         try:
             if self._failed is None:
+                self.checkpoint()  # a clean stop leaves LMDB covering the log
                 self.flush()
         finally:
             self._closed = True
+            self._close_wal()
             self._env.close()
 
     def __enter__(self) -> LmdbStorage:

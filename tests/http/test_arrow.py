@@ -199,6 +199,8 @@ async def test_a_damaged_record_is_503_never_served(client: TestClient[Any, Any]
         st_ = node._storage
         index = broker.bodies.index_of(phys)
         key = index.to_bytes(8, "big")
+        st_.sync()  # the commit index moved since the last sync
+        assert st_.checkpoint()  # LMDB, not only the write-ahead log, holds the entry
         with st_.env.begin(write=True) as txn:
             raw = bytearray(txn.get(key, db=st_._log_db))
             at = raw.find(bytes(rec[:-1]))

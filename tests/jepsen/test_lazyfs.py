@@ -194,3 +194,38 @@ def test_lmdb_fails_stop_on_a_disk_error_and_never_retries(
     assert fs(cmd="stats")["fsyncs"] == before
     fs(cmd="drop", tear=False, seed=0)  # and the power goes: entry 6 was never durable
     assert _reopen_elsewhere(d, flush) == 5
+
+
+class _Died(Exception):
+    """The process stopped between a write and its fsync."""
+
+
+# Seeds whose tear falls inside the record: FUSE hands the 20 KB write over
+# as a sliver up to a page boundary and the rest; these seeds tear the rest.
+@pytest.mark.parametrize("seed", [5, 7, 9])
+def test_a_torn_write_ahead_log_record_is_cut_and_every_synced_batch_survives(
+    fs: Fs, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sync() appends one record to the write-ahead log per batch: the power
+    going while the last record is half on disk loses that record only."""
+    d = fs.mount / f"wal-torn-{seed}"
+    st = LmdbStorage(d)
+    try:
+        _fill(st, 40)  # each batch one record (LMDB catches up every half second)
+        last = st.last_index()
+        pos = st.entries(last, last + 1)[0].end_pos
+        st.append([Entry(last + 1, 1, data=os.urandom(20_000), pos=pos)])
+
+        def died(fd: int) -> None:
+            raise _Died
+
+        monkeypatch.setattr(os, "fdatasync", died)
+        with pytest.raises(_Died):
+            st.sync()
+        monkeypatch.undo()
+        out = fs(cmd="drop", tear=True, seed=seed, file=f"wal-torn-{seed}/wal")
+        assert out["torn"] is not None and out["torn"]["file"].endswith("/wal"), out
+        assert out["torn"]["torn_at_bytes"] > 0, out  # part of the record reached the disk
+        assert _reopen_elsewhere(d, "sync") == last
+    finally:
+        st._env.close()

@@ -733,6 +733,7 @@ def test_a_damaged_or_missing_part_is_corruption(tmp_path: Path) -> None:
     es = chain(1, [1, 1, 1], payload=_big(0, 9000))
     s.append(es)
     s.sync()
+    s.checkpoint()  # into LMDB (sync() made it durable in the write-ahead log)
     with s.env.begin(write=True) as txn:
         key = (2).to_bytes(8, "big") + (3).to_bytes(2, "big")
         raw = bytearray(txn.get(key, db=s._parts_db) or b"")
@@ -746,6 +747,7 @@ def test_a_damaged_or_missing_part_is_corruption(tmp_path: Path) -> None:
     more = chain(1, [1] * 5, payload=_big(1, 9000))
     t.append(more)
     t.sync()
+    t.checkpoint()
     with t.env.begin(write=True) as txn:
         txn.delete((2).to_bytes(8, "big") + (1).to_bytes(2, "big"), db=t._parts_db)
     t.close()

@@ -1,0 +1,310 @@
+"""The write-ahead log in front of LMDB: what sync() makes durable is one
+record, a crash replays it, a torn last record is cut off, rot in the middle
+is corruption, and records left over from before the file was emptied are
+recognised by their numbers (dledger/storage/wal.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from dledger.core.types import Entry, HardState
+from dledger.errors import StorageCorrupted
+from dledger.storage import lmdb_store, wal
+from dledger.storage.lmdb_store import LmdbStorage
+
+
+def chain(first: int, terms: list[int], pos: int = 0, size: int = 16) -> list[Entry]:
+    out = []
+    for k, t in enumerate(terms):
+        i = first + k
+        e = Entry(index=i, term=t, data=f"e{i:06d}-t{t}".encode().ljust(size, b"."), pos=pos)
+        out.append(e)
+        pos = e.end_pos
+    return out
+
+
+def crash(s: LmdbStorage) -> None:
+    """Stop using ``s`` as a killed process would: nothing more is written
+    (the page cache keeps what was written, as it does for a killed process)."""
+    s._close_wal()
+    s._env.close()
+    s._closed = True
+
+
+def wal_bytes(d: Path) -> bytes:
+    return (d / wal.WAL_NAME).read_bytes()
+
+
+def records(d: Path) -> list[tuple[int, int]]:
+    """(offset, seq) of each whole record in the file."""
+    data = wal_bytes(d)
+    out, off = [], 0
+    while (got := wal._record_at(data, off)) is not None:
+        out.append((off, got[0]))
+        off = got[1]
+    return out
+
+
+def end_pos(s: LmdbStorage) -> int:
+    last = s.last_index()
+    return s.entries(last, last + 1)[0].end_pos if last else 0
+
+
+def test_sync_writes_one_record_and_lmdb_catches_up_later(tmp_path: Path) -> None:
+    s = LmdbStorage(tmp_path)
+    s.append(chain(1, [1, 1, 1]))
+    s.sync()
+    s.append(chain(4, [1], pos=end_pos(s)))
+    s.sync()
+    assert s.lmdb_commits == 0
+    assert [seq for _, seq in records(tmp_path)] == [1, 2]
+    with s.env.begin() as txn:  # LMDB does not hold the entries yet
+        assert s.entry_in(txn, 1) is None
+    assert s.entries(1, 5) == chain(1, [1, 1, 1, 1])
+    assert s.checkpoint()
+    assert s.lmdb_commits == 1
+    assert wal_bytes(tmp_path) == b""
+    with s.env.begin() as txn:
+        assert s.entry_in(txn, 4) == chain(1, [1, 1, 1, 1])[3]
+    s.close()
+
+
+def test_a_crash_after_sync_replays_entries_and_the_vote(tmp_path: Path) -> None:
+    s = LmdbStorage(tmp_path)
+    es = chain(1, [2, 2, 2, 2, 2])
+    s.append(es)
+    s.save_hard_state(HardState(term=3, vote=2, commit=4))
+    s.sync()
+    crash(s)
+    r = LmdbStorage(tmp_path)
+    assert r.wal_replayed == 1
+    assert r.entries(1, 6) == es
+    assert r.hard_state() == HardState(term=3, vote=2, commit=4)
+    assert wal_bytes(tmp_path) == b""  # replayed into LMDB at once
+    assert r.verify_all() == 5
+    r.close()
+
+
+def test_a_cut_and_overwrite_replays_exactly(tmp_path: Path) -> None:
+    s = LmdbStorage(tmp_path)
+    s.append(chain(1, [1, 1, 1, 1, 1]))
+    s.sync()
+    assert s.checkpoint()  # entries 1..5 of term 1 in LMDB
+    new = chain(3, [2, 2], pos=s.entries(2, 3)[0].end_pos)
+    s.append(new)  # replaces 3..5 by 3..4 of term 2
+    s.sync()
+    s.append(chain(5, [2], pos=end_pos(s)))
+    s.sync()
+    s.truncate_from(5)
+    s.sync()
+    crash(s)
+    r = LmdbStorage(tmp_path, verify="full")
+    assert r.wal_replayed == 3
+    assert r.last_index() == 4
+    assert [r.term(i) for i in range(1, 5)] == [1, 1, 2, 2]
+    assert r.entries(3, 5) == new
+    assert r.epoch_map() == {1: 0, 2: new[0].pos}
+    assert r.verify_all() == 4
+    r.close()
+
+
+def test_what_was_never_synced_is_lost_in_a_crash(tmp_path: Path) -> None:
+    s = LmdbStorage(tmp_path)
+    s.append(chain(1, [1, 1, 1]))
+    s.sync()
+    s.append(chain(4, [1, 1], pos=end_pos(s)))
+    s.save_hard_state(HardState(term=5, vote=1))
+    crash(s)
+    r = LmdbStorage(tmp_path)
+    assert r.last_index() == 3
+    assert r.hard_state() == HardState()
+    r.close()
+
+
+def test_close_leaves_lmdb_covering_the_log_unless_writes_wait_for_a_sync(
+    tmp_path: Path,
+) -> None:
+    s = LmdbStorage(tmp_path / "a")
+    s.append(chain(1, [1, 1]))
+    s.sync()
+    s.close()
+    assert wal_bytes(tmp_path / "a") == b""
+    t = LmdbStorage(tmp_path / "b")
+    t.append(chain(1, [1, 1]))
+    t.sync()
+    t.append(chain(3, [1], pos=end_pos(t)))  # never synced: lost, as in a crash
+    t.close()
+    assert records(tmp_path / "b") != []
+    r = LmdbStorage(tmp_path / "b")
+    assert (r.wal_replayed, r.last_index()) == (1, 2)
+    r.close()
+
+
+def test_a_torn_last_record_is_cut_off_and_the_log_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    s = LmdbStorage(tmp_path)
+    s.append(chain(1, [1, 1]))
+    s.sync()
+    s.append(chain(3, [1, 1], pos=end_pos(s)))
+    s.sync()
+    crash(s)
+    ((off2, _),) = [r for r in records(tmp_path) if r[1] == 2]
+    path = tmp_path / wal.WAL_NAME
+    os.truncate(path, off2 + 20)  # the second write cut short
+    with caplog.at_level(logging.WARNING):
+        r = LmdbStorage(tmp_path)
+    assert "torn or damaged record" in caplog.text
+    assert (r.wal_replayed, r.last_index()) == (1, 2)
+    # the next record takes the torn one's number, and survives a crash too
+    r.append(chain(3, [1], pos=end_pos(r)))
+    r.sync()
+    crash(r)
+    again = LmdbStorage(tmp_path, verify="full")
+    assert again.last_index() == 3
+    assert again.verify_all() == 3
+    again.close()
+
+
+def test_rot_in_a_record_followed_by_others_is_corruption(tmp_path: Path) -> None:
+    s = LmdbStorage(tmp_path)
+    for k in range(3):
+        s.append(chain(k + 1, [1], pos=end_pos(s)))
+        s.sync()
+    crash(s)
+    off2 = records(tmp_path)[1][0]
+    path = tmp_path / wal.WAL_NAME
+    raw = bytearray(path.read_bytes())
+    raw[off2 + wal.HEAD_SIZE + 3] ^= 0x10
+    path.write_bytes(bytes(raw))
+    with pytest.raises(StorageCorrupted, match=r"write-ahead log .* damaged record"):
+        LmdbStorage(tmp_path)
+
+
+def test_rot_in_the_length_of_a_middle_record_is_corruption(tmp_path: Path) -> None:
+    s = LmdbStorage(tmp_path)
+    for k in range(3):
+        s.append(chain(k + 1, [1], pos=end_pos(s)))
+        s.sync()
+    crash(s)
+    off2 = records(tmp_path)[1][0]
+    path = tmp_path / wal.WAL_NAME
+    raw = bytearray(path.read_bytes())
+    raw[off2 + 6] ^= 0x40  # the length now points far past the end of the file
+    path.write_bytes(bytes(raw))
+    with pytest.raises(StorageCorrupted, match="rotted"):
+        LmdbStorage(tmp_path)
+
+
+def test_records_left_over_from_before_the_file_was_emptied_are_ignored(
+    tmp_path: Path,
+) -> None:
+    s = LmdbStorage(tmp_path)
+    for k in range(4):
+        s.append(chain(k + 1, [1], pos=end_pos(s), size=64))
+        s.sync()
+    old = wal_bytes(tmp_path)
+    assert s.checkpoint()  # LMDB covers records 1..4; the file is emptied
+    s.append(chain(5, [1], pos=end_pos(s)))
+    s.sync()  # record 5, at offset 0
+    crash(s)
+    new = wal_bytes(tmp_path)
+    assert len(new) < len(old)
+    # The power went before the truncation reached the disk: the new record
+    # lies over the start of the old contents.
+    (tmp_path / wal.WAL_NAME).write_bytes(new + old[len(new) :])
+    r = LmdbStorage(tmp_path, verify="full")
+    assert (r.wal_replayed, r.last_index()) == (1, 5)
+    assert r.verify_all() == 5
+    r.close()
+
+
+def test_a_missing_record_is_corruption(tmp_path: Path) -> None:
+    s = LmdbStorage(tmp_path)
+    for k in range(3):
+        s.append(chain(k + 1, [1], pos=end_pos(s)))
+        s.sync()
+    crash(s)
+    recs = records(tmp_path)
+    raw = wal_bytes(tmp_path)
+    (tmp_path / wal.WAL_NAME).write_bytes(raw[recs[1][0] :])  # record 1 gone
+    with pytest.raises(StorageCorrupted, match="resumes at record 2"):
+        LmdbStorage(tmp_path)
+
+
+def test_async_mode_replays_a_log_left_in_sync_mode_and_stops_using_it(
+    tmp_path: Path,
+) -> None:
+    s = LmdbStorage(tmp_path)
+    s.append(chain(1, [1, 1, 1]))
+    s.sync()
+    crash(s)
+    a = LmdbStorage(tmp_path, flush="async")
+    assert (a.wal_replayed, a.last_index()) == (1, 3)
+    assert wal_bytes(tmp_path) == b""
+    a.append(chain(4, [1], pos=end_pos(a)))
+    a.sync()
+    assert wal_bytes(tmp_path) == b""  # async mode commits LMDB
+    a.close()
+
+
+def test_a_big_batch_goes_straight_to_lmdb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lmdb_store, "WAL_RECORD_MAX", 1000)
+    s = LmdbStorage(tmp_path)
+    s.append(chain(1, [1] * 5, size=300))
+    s.sync()
+    assert (s.lmdb_commits, wal_bytes(tmp_path)) == (1, b"")
+    s.append(chain(6, [1], pos=end_pos(s)))
+    s.sync()  # small: the log
+    assert s.lmdb_commits == 1 and records(tmp_path)
+    s.close()
+
+
+def test_lmdb_catches_up_after_the_interval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = LmdbStorage(tmp_path)
+    s.append(chain(1, [1]))
+    s.sync()
+    assert s.lmdb_commits == 0
+    monkeypatch.setattr(lmdb_store, "WAL_COMMIT_INTERVAL_S", 0.0)
+    s.append(chain(2, [1], pos=end_pos(s)))
+    s.sync()  # logged, then LMDB covers both records
+    assert s.lmdb_commits == 1
+    assert wal_bytes(tmp_path) == b""
+    crash(s)
+    r = LmdbStorage(tmp_path)
+    assert (r.wal_replayed, r.last_index()) == (0, 2)
+    r.close()
+
+
+def test_a_snapshot_or_side_rows_commit_lmdb_with_what_was_logged(tmp_path: Path) -> None:
+    s = LmdbStorage(tmp_path)
+    s.side_db(b"side")
+    s.append(chain(1, [1, 1]))
+    s.sync()
+    s.stage({b"side": {b"k": b"v"}})
+    s.sync()
+    assert s.lmdb_commits == 1 and s.side_synced == 1
+    assert wal_bytes(tmp_path) == b""
+    with s.env.begin() as txn:
+        assert s.entry_in(txn, 2) is not None
+    s.close()
+
+
+def test_the_buffered_tail_and_a_read_transaction_cover_every_entry(tmp_path: Path) -> None:
+    s = LmdbStorage(tmp_path)
+    s.append(chain(1, [1, 1]))
+    s.sync()
+    assert s.checkpoint()
+    s.append(chain(3, [1, 1], pos=end_pos(s)))
+    s.sync()
+    tail = s.buffered_tail()
+    with s.env.begin() as txn:
+        got = [s.entry_in(txn, i) for i in (1, 2)] + tail
+    assert got == chain(1, [1, 1, 1, 1])
+    s.close()

@@ -536,13 +536,32 @@ class RawNode:
 
     def lease_valid(self) -> bool:
         """True when a linearizable read may be served locally right now."""
+        return self._lease_valid_at(self._tick_count)
+
+    def _lease_valid_at(self, tick: int) -> bool:
         if self.role is not Role.LEADER or not self.cfg.check_quorum:
             return False
         if self._lease_disabled or self._transferee != NONE or not self._committed_in_term():
             return False
         if FAULT_LEASE_IGNORES_EXPIRY in self._faults:
             return self._lease_expiry_tick >= 0
-        return self._tick_count < self._lease_expiry_tick
+        return tick < self._lease_expiry_tick
+
+    def lease_read_index(self, behind: int = 0) -> int | None:
+        """The index a linearizable read may be served at by the lease when
+        ``behind`` ticks are due but not delivered yet (the driver ticks at
+        the start of a loop pass; its clock runs on meanwhile): the commit
+        index, or None when the lease would not hold after those ticks (then
+        ask :meth:`read_index`). Ticking could only end the lease (expiry, a
+        check-quorum step-down), never start one, so the answer is the one
+        :meth:`read_index` would give after them. It changes nothing but the
+        activity mark that keeps heartbeat rounds short while reads come in,
+        so a driver may ask it between its loop passes, even between
+        ``ready()`` and ``advance()``."""
+        if not self._lease_valid_at(self._tick_count + max(0, behind)):
+            return None
+        self._active_tick = self._tick_count
+        return self.log.committed
 
     def suspend_lease(self) -> None:
         """The driver's loop stalled longer than the lease's safety margin

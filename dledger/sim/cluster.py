@@ -410,6 +410,15 @@ class Simulation:
             self._check_lease_read(host, r, ctx)
 
         r.read_index = read_index  # type: ignore[method-assign]
+        orig_lease = r.lease_read_index
+
+        def lease_read_index(behind: int = 0) -> int | None:
+            index = orig_lease(behind)
+            if index is not None:  # answered by the lease without a loop turn
+                self._check_lease_read_at(host, r)
+            return index
+
+        r.lease_read_index = lease_read_index  # type: ignore[method-assign]
         host.commit_seen = r.log.committed
         if self.cfg.flush == "async":
             # Recorded the moment the leader commits: it may step down (or
@@ -818,6 +827,11 @@ class Simulation:
         rs = r._read_states
         if not rs or rs[-1].ctx != ctx or rs[-1].mode is not ReadMode.LEASE:
             return
+        self._check_lease_read_at(host, r)
+
+    def _check_lease_read_at(self, host: Host, r: RawNode) -> None:
+        """A lease read served now on ``host``: inside its lease on its own
+        clock, and no higher term elected before it in global time."""
         g = host.global_now()
         exp = self._lease_expiry_local(host, r)
         local = host.local_now()

@@ -1639,6 +1639,11 @@ class LmdbStorage:
         value = txn.get(_KEY.pack(index), db=self._log_db)
         return None if value is None else self._decode(value, index, txn)
 
+    @property
+    def wal_bytes(self) -> int:
+        """The write-ahead log's size: what LMDB has not covered yet."""
+        return self._wal.size if self._wal is not None else 0
+
     def buffered_tail(self) -> list[Entry]:
         """A copy of the entries the view holds beyond LMDB's image (those
         only the write-ahead log holds, and any not yet synced), in index

@@ -401,6 +401,36 @@ def test_lease_counts_from_the_tick_the_round_was_sent() -> None:
     assert leader.role is Role.LEADER
 
 
+def test_lease_read_index_counts_the_ticks_the_driver_has_not_delivered() -> None:
+    """lease_read_index(behind) answers as read_index would after ``behind``
+    more ticks, without ticking: the commit index while the lease holds at
+    that tick, None from the expiry on, None on a follower."""
+    net = elected()
+    leader = net.nodes[1]
+    sent = hb_round(net)
+    assert leader.lease_valid()
+    left = sent + LEASE - leader.tick_count
+    ticks = leader.tick_count
+    assert leader.lease_read_index() == leader.log.committed
+    assert leader.lease_read_index(left - 1) == leader.log.committed
+    assert leader.lease_read_index(left) is None
+    assert leader.tick_count == ticks and not net.take()  # asked, nothing moved
+    for _ in range(left):
+        leader.tick()
+        net.take()
+    assert not leader.lease_valid() and leader.lease_read_index() is None
+    assert net.nodes[2].lease_read_index() is None  # followers never
+
+
+def test_lease_read_index_refuses_while_a_transfer_runs() -> None:
+    net = elected()
+    leader = net.nodes[1]
+    hb_round(net)
+    assert leader.lease_read_index() == leader.log.committed
+    leader.transfer_leadership(2)
+    assert leader.lease_read_index() is None
+
+
 def test_read_after_lease_expiry_uses_read_index() -> None:
     """After the lease expires without acks, read_index sends a heartbeat
     round and answers (READ_INDEX) only after a quorum acknowledged that

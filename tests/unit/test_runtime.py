@@ -86,6 +86,42 @@ def test_planted_lease_stale_clock_skips_the_suspension() -> None:
     assert core.ticks == 40  # capped at 4 election timeouts
 
 
+class _LeaseCore:
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def lease_read_index(self, behind: int = 0) -> int | None:
+        self.asked.append(behind)
+        return 7
+
+
+def test_a_direct_lease_read_counts_the_ticks_not_yet_delivered() -> None:
+    """Node._lease_read_now asks the core about the clock as it is now: the
+    ticks due since the loop last ticked are counted, not ignored."""
+    node, clock = _node()
+    core = _LeaseCore()
+    node._ticks = 4  # delivered up to tick 4 (t0 + 40 ms)
+    node._last_catch_up_s = clock.now + 0.040
+    clock.now += 0.058  # tick 5 is due now, the next pass is 8 ms late: within the margin
+    assert node._lease_read_now(core) == 7  # type: ignore[arg-type]
+    assert core.asked == [1]
+
+
+def test_no_direct_lease_read_after_a_stall_the_loop_has_not_seen() -> None:
+    """A pause beyond the lease's safety margin (SIGSTOP, a blocked pass):
+    the loop's next pass must suspend the lease first, so the read waits
+    for it instead of trusting a lease counted from before the pause."""
+    node, clock = _node()
+    core = _LeaseCore()
+    clock.now += 0.010 + 0.005  # late, within the margin
+    assert node._lease_read_now(core) == 7  # type: ignore[arg-type]
+    clock.now += 0.050
+    assert node._lease_read_now(core) is None  # type: ignore[arg-type]
+    assert len(core.asked) == 1
+    planted, _ = _node(frozenset({FAULT_LEASE_STALE_CLOCK}))
+    assert planted._lease_read_now(core) is None  # type: ignore[arg-type]
+
+
 def test_loop_lag_is_observed_per_pass() -> None:
     node, clock = _node()
     start = clock.now

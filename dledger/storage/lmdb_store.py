@@ -960,12 +960,20 @@ class LmdbStorage:
             total = self._read_durable(lo, durable_hi, max_bytes, out)
             if len(out) < durable_hi - lo:
                 return out  # the byte budget ran out inside the durable part
-        for e in self._pending[max(lo, self._limit) - self._limit : hi - self._limit]:
+        for e in self._buffered(lo, hi):
             total += len(e.data)
             if max_bytes is not None and total > max_bytes and out:
                 break
             out.append(e)
         return out
+
+    def _buffered(self, lo: int, hi: int) -> list[Entry]:
+        """Buffered entries lo..hi-1 (those at or above limit). Empty when hi
+        is at or below limit: a negative slice end would count from the end
+        of the buffer and hand back entries after hi."""
+        if hi <= self._limit:
+            return []
+        return self._pending[max(lo, self._limit) - self._limit : hi - self._limit]
 
     def conf_entries(self, lo: int, hi: int) -> list[Entry]:
         """The CONF_CHANGE entries in [lo, hi), in order. Only each record's
@@ -996,7 +1004,7 @@ class LmdbStorage:
                                 out.append(e)
             except _LMDB_DAMAGE as exc:
                 raise self._corrupt(lo, f"LMDB reported damage while reading: {exc}") from exc
-        for e in self._pending[max(lo, self._limit) - self._limit : hi - self._limit]:
+        for e in self._buffered(lo, hi):
             if e.type is EntryType.CONF_CHANGE:
                 out.append(e)
         return out
@@ -1417,10 +1425,23 @@ class LmdbStorage:
             raise self._failed
         if self._wal_behind_s is None or not self._has_batch():
             return True
-        if self._wal_from is not None or self._hs != self._wal_hs:
+        if self._unsynced():
             return False
         self._commit()
         return True
+
+    def _unsynced(self) -> bool:
+        """Whether anything changed since the last sync(): new entries or a
+        cut, the hard state, a compaction, a snapshot or side rows (the last
+        three go to LMDB at once when synced, so their being buffered means
+        no sync() took them yet)."""
+        return (
+            self._wal_from is not None
+            or self._hs != self._wal_hs
+            or self._front_dirty
+            or self._snap_pending is not None
+            or bool(self._side_pending)
+        )
 
     def small_batch(self, max_bytes: int) -> bool:
         """Whether the buffered batch is a small append: new entries and side

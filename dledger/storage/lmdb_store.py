@@ -1315,14 +1315,20 @@ class LmdbStorage:
         if self._snap_pending is not None or self._front_dirty or self._side_pending:
             return False
         lo = self._wal_from
+        if lo is not None and lo < self._limit:
+            return False  # never: every change since the last record is buffered
+        return self._unlogged_within(WAL_RECORD_MAX)
+
+    def _unlogged_within(self, max_bytes: int) -> bool:
+        """Whether the entries changed since the last record hold at most
+        ``max_bytes`` of data."""
+        lo = self._wal_from
         if lo is None:
             return True
-        if lo < self._limit:
-            return False  # never: every change since the last record is buffered
         size = 0
         for e in self._pending[lo - self._limit :]:
             size += len(e.data)
-            if size > WAL_RECORD_MAX:
+            if size > max_bytes:
                 return False
         return True
 
@@ -1451,15 +1457,7 @@ class LmdbStorage:
         the write-ahead log, what counts is what this sync() writes: the
         entries since the last record, unless LMDB is due to catch up."""
         if self._loggable() and not self._wal_due():
-            lo = self._wal_from
-            if lo is None:
-                return True
-            size = 0
-            for e in self._pending[lo - self._limit :]:
-                size += len(e.data)
-                if size > max_bytes:
-                    return False
-            return True
+            return self._unlogged_within(max_bytes)
         if self._snap_pending is not None or self._front_dirty:
             return False
         if self._limit <= self._durable_last:

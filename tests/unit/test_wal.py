@@ -171,14 +171,19 @@ def test_a_torn_last_record_is_cut_off_and_the_log_goes_on(
     again.close()
 
 
-def test_rot_in_a_record_followed_by_others_is_corruption(tmp_path: Path) -> None:
-    s = LmdbStorage(tmp_path)
+def three_records(d: Path) -> tuple[Path, list[tuple[int, int]]]:
+    """A crashed log of three records, one entry each: (the file, records)."""
+    s = LmdbStorage(d)
     for k in range(3):
         s.append(chain(k + 1, [1], pos=end_pos(s)))
         s.sync()
     crash(s)
-    off2 = records(tmp_path)[1][0]
-    path = tmp_path / wal.WAL_NAME
+    return d / wal.WAL_NAME, records(d)
+
+
+def test_rot_in_a_record_followed_by_others_is_corruption(tmp_path: Path) -> None:
+    path, recs = three_records(tmp_path)
+    off2 = recs[1][0]
     raw = bytearray(path.read_bytes())
     raw[off2 + wal.HEAD_SIZE + 3] ^= 0x10
     path.write_bytes(bytes(raw))
@@ -187,13 +192,8 @@ def test_rot_in_a_record_followed_by_others_is_corruption(tmp_path: Path) -> Non
 
 
 def test_rot_in_the_length_of_a_middle_record_is_corruption(tmp_path: Path) -> None:
-    s = LmdbStorage(tmp_path)
-    for k in range(3):
-        s.append(chain(k + 1, [1], pos=end_pos(s)))
-        s.sync()
-    crash(s)
-    off2 = records(tmp_path)[1][0]
-    path = tmp_path / wal.WAL_NAME
+    path, recs = three_records(tmp_path)
+    off2 = recs[1][0]
     raw = bytearray(path.read_bytes())
     raw[off2 + 6] ^= 0x40  # the length now points far past the end of the file
     path.write_bytes(bytes(raw))
@@ -225,14 +225,8 @@ def test_records_left_over_from_before_the_file_was_emptied_are_ignored(
 
 
 def test_a_missing_record_is_corruption(tmp_path: Path) -> None:
-    s = LmdbStorage(tmp_path)
-    for k in range(3):
-        s.append(chain(k + 1, [1], pos=end_pos(s)))
-        s.sync()
-    crash(s)
-    recs = records(tmp_path)
-    raw = wal_bytes(tmp_path)
-    (tmp_path / wal.WAL_NAME).write_bytes(raw[recs[1][0] :])  # record 1 gone
+    path, recs = three_records(tmp_path)
+    path.write_bytes(path.read_bytes()[recs[1][0] :])  # record 1 gone
     with pytest.raises(StorageCorrupted, match="resumes at record 2"):
         LmdbStorage(tmp_path)
 

@@ -692,12 +692,17 @@ class Node:
         if FAULT_LEASE_STALE_CLOCK in self._faults:
             return None  # the planted bug lives in the loop's path
         now = self._clock()
-        tick_s = self.cfg.tick_ms / 1000
-        expected = max(self._last_catch_up_s + tick_s, self._planned_wake_s)
-        if now - expected > self._lease_margin_s:
+        if self._stall_s(now) > self._lease_margin_s:
             return None
-        due = int((now - self._t0) * 1000 // self.cfg.tick_ms)
-        return r.lease_read_index(due - self._ticks)
+        return r.lease_read_index(self._tick_at(now) - self._ticks)
+
+    def _stall_s(self, now: float) -> float:
+        """How long the ticks stood still beyond what the loop chose to sleep."""
+        return now - max(self._last_catch_up_s + self.cfg.tick_ms / 1000, self._planned_wake_s)
+
+    def _tick_at(self, now: float) -> int:
+        """The tick due at clock time ``now``."""
+        return int((now - self._t0) * 1000 // self.cfg.tick_ms)
 
     async def transfer_leadership(self, to: int, timeout_s: float | None = None) -> None:
         """Hand leadership to voter ``to`` and wait until it leads.
@@ -1127,9 +1132,7 @@ class Node:
 
     def _catch_up_ticks(self, r: RawNode) -> None:
         now = self._clock()
-        # How long the ticks stood still beyond what the loop chose to sleep.
-        expected = max(self._last_catch_up_s + self.cfg.tick_ms / 1000, self._planned_wake_s)
-        stall = now - expected
+        stall = self._stall_s(now)
         self._last_catch_up_s = now
         if stall > self._lease_margin_s and FAULT_LEASE_STALE_CLOCK not in self._faults:
             # Ticks (so heartbeats and lease expiry) stood still for longer
@@ -1139,7 +1142,7 @@ class Node:
             # is acknowledged (reads fall back to ReadIndex meanwhile).
             r.suspend_lease()
             self.counters["lease_suspended"] += 1
-        due = int((now - self._t0) * 1000 // self.cfg.tick_ms)
+        due = self._tick_at(now)
         n = due - self._ticks
         if n <= 0:
             return

@@ -240,6 +240,12 @@ class NodeConfig:
     http_body_timeout_ms: int = 30_000
     http_idle_timeout_ms: int = 30_000
     http_max_connections: int = 1024
+    # The express lane (http_api/protocol.py): a plain one-connection produce
+    # request (no query, auth, encoding or unusual header, body <= 64 KiB)
+    # is parsed and answered without aiohttp's request machinery; anything
+    # else, and everything after it on that connection, goes through aiohttp.
+    # Same checks and answers either way; false sends everything to aiohttp.
+    http_express: bool = True
     # What committed entries are applied to: "broker" (broker_adapter, with
     # the /v1 message API) or "log" (records only, the bare Raft log).
     state_machine: str = "broker"

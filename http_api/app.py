@@ -67,15 +67,15 @@ from dledger import faults
 from dledger.admin_http import BadRequest, Unprocessable, storage_fault
 from dledger.config import DEFAULT_PUBLIC_PATHS
 from dledger.core.types import Role
-from dledger.errors import NotLeader
+from dledger.errors import DLedgerError, NotLeader
 from dledger.http_auth import ROUTE_ROLES as APP_ROUTE_ROLES
 from dledger.http_auth import RouteRole
 from dledger.metrics import Histogram, labels_text, render_histogram
 from dledger.node import Node, NodeStopped, OutcomeUnknown
 from http_api import arrow
 from http_api.errors import LeaderNotReady, envelope, error_response, json_response
-from http_api.guard import GUARD_KEY, JSON_BODY
-from http_api.openapi import openapi_document
+from http_api.guard import GUARD_KEY, JSON_BODY, Guard
+from http_api.openapi import OPERATIONS, openapi_document
 from http_api.schema import YIELD_EVERY
 
 logger = logging.getLogger(__name__)
@@ -109,6 +109,10 @@ ROUTE_ROLES: dict[tuple[str, str], RouteRole] = {
     ("GET", "/openapi.json"): "any",
 }
 UNMATCHED_ROUTE = "<unmatched>"  # one label for every 404 path: bounded cardinality
+PRODUCE_ROUTE = "/v1/topics/{topic}/messages"
+PRODUCE_SCHEMA = str(OPERATIONS[("POST", PRODUCE_ROUTE)].body)
+# What the express lane's produce answers: the success body, or an error.
+Answer = bytes | web.Response
 
 
 class BrokerApi:
@@ -134,6 +138,7 @@ class BrokerApi:
         self._waiters = 0
         # (method, route, status) -> latency histogram (count and rate included)
         self.requests: dict[tuple[str, str, int], Histogram] = {}
+        self.express_answers = 0  # produce requests the express lane took
         sm.add_listener(self._on_apply)
 
     # -- plumbing -------------------------------------------------------------
@@ -194,30 +199,38 @@ class BrokerApi:
         finally:
             resource = request.match_info.route.resource
             route = resource.canonical if resource is not None else UNMATCHED_ROUTE
-            key = (request.method, route, status)
-            h = self.requests.get(key)
-            if h is None:
-                h = self.requests[key] = Histogram()
-            h.observe(time.perf_counter() - t0)
+            self._observe(request.method, route, status, t0)
+
+    def _observe(self, method: str, route: str, status: int, t0: float) -> None:
+        key = (method, route, status)
+        h = self.requests.get(key)
+        if h is None:
+            h = self.requests[key] = Histogram()
+        h.observe(time.perf_counter() - t0)
 
     async def _handle(self, fn: Handler, request: web.Request) -> web.StreamResponse:
         try:
             return await fn(request)
-        except NotLeader as exc:
-            return self._not_leader(request, exc)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
             code = (exc.reason or "error").upper().replace(" ", "_")
             return envelope(exc.status, code, f"{request.method} {request.path}: {exc.reason}")
         except Exception as exc:
-            resp = error_response(storage_fault(self.node, exc))
-            if resp.status == 500:
-                logger.exception("unhandled error serving %s %s", request.method, request.path)
-                return envelope(500, "INTERNAL", "internal error (a bug: see the node's log)")
-            return resp
+            return self._error_answer(exc, request.method, request.path_qs)
 
-    def _not_leader(self, request: web.Request, exc: NotLeader) -> web.Response:
+    def _error_answer(self, exc: Exception, method: str, path_qs: str) -> web.Response:
+        """A handler's error as its answer: NOT_LEADER's redirect, the
+        envelope, or a 500 (logged: a bug)."""
+        if isinstance(exc, NotLeader):
+            return self._not_leader(path_qs, exc)
+        resp = error_response(storage_fault(self.node, exc))
+        if resp.status == 500:
+            logger.error("unhandled error serving %s %s", method, path_qs, exc_info=exc)
+            return envelope(500, "INTERNAL", "internal error (a bug: see the node's log)")
+        return resp
+
+    def _not_leader(self, path_qs: str, exc: NotLeader) -> web.Response:
         leader = exc.leader_hint
         node = self.node
         leader_http = node.http_address_of(leader) if leader else None
@@ -232,7 +245,7 @@ class BrokerApi:
                     }
                 },
                 307,
-                {"Location": f"http://{leader_http}{request.path_qs}"},
+                {"Location": f"http://{leader_http}{path_qs}"},
             )
         return envelope(503, exc.code, "no leader is known; retry later", leader=None)
 
@@ -265,8 +278,10 @@ class BrokerApi:
 
     async def _propose(self, request: web.Request, data: bytes) -> object:
         """Propose one command; its apply result, raised when it is an error."""
+        return await self._propose_within(self._timeout_s(request), data)
+
+    async def _propose_within(self, timeout: float, data: bytes) -> object:
         self._require_leader()
-        timeout = self._timeout_s(request)
         try:
             async with asyncio.timeout(timeout):
                 applied = await self.node.propose_entry(data)
@@ -322,6 +337,43 @@ class BrokerApi:
     async def produce(self, request: web.Request) -> web.Response:
         topic = codec.check_name(request.match_info["topic"])
         body = await self._body(request)
+        return json_response(await self._produce(topic, body, self._timeout_s(request)))
+
+    async def produce_express(self, guard: Guard, topic: str, raw: bytes, target: str) -> Answer:
+        """A produce request the express lane took (:mod:`http_api.protocol`):
+        the checks and answers of the route's middlewares and handler (the
+        schema, the produce, the error envelope, the request metrics), without
+        aiohttp's request and response objects. ``target`` is the request
+        target as sent (the redirect of NOT_LEADER repeats it). The answer is
+        the success body, or the error response."""
+        t0 = time.perf_counter()
+        status = 500
+        self.express_answers += 1
+        try:
+            try:
+                body = await guard.check_json(raw, PRODUCE_SCHEMA)
+            except (DLedgerError, BrokerError) as exc:
+                resp = error_response(exc)  # 400 not JSON, 422 naming the field
+            else:
+                try:
+                    answer = await self._produce(
+                        topic, body, self.node.cfg.request_timeout_ms / 1000
+                    )
+                except Exception as exc:
+                    resp = self._error_answer(exc, "POST", target)
+                else:
+                    status = 200
+                    return orjson.dumps(answer)
+            status = resp.status
+            return resp
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        finally:
+            self._observe("POST", PRODUCE_ROUTE, status, t0)
+
+    async def _produce(self, topic: str, body: dict[str, Any], timeout: float) -> object:
+        """A checked produce body proposed and applied: the answer's JSON."""
         msgs = await parse_messages_stepwise(
             body.get("messages"), self.limits, self.node.cfg.max_batch_properties
         )
@@ -349,12 +401,10 @@ class BrokerApi:
         )
         if faults.on(faults.ACK_BEFORE_COMMIT):  # planted bug (dledger/faults.py), tests only
             queues_asked = [m[4] for m in msgs]  # MessageRow: (..., queue, ...)
-            return json_response(
-                faults.ack_before_commit(self.node, self.sm.broker, topic, queues_asked, data)
-            )
-        res = await self._propose(request, data)
+            return faults.ack_before_commit(self.node, self.sm.broker, topic, queues_asked, data)
+        res = await self._propose_within(timeout, data)
         assert isinstance(res, ProduceResult)
-        return json_response(produce_json(res))
+        return produce_json(res)
 
     async def register_producer(self, request: web.Request) -> web.Response:
         body = await self._body(request)
@@ -604,6 +654,12 @@ class BrokerApi:
             "counter",
         )
         one("dledger_fsyncs_total", counters.get("syncs", 0), "group commits synced", "counter")
+        one(
+            "dledger_http_express_total",
+            self.express_answers,
+            "produce requests the express lane answered (http_api/protocol.py)",
+            "counter",
+        )
         one(
             "dledger_loop_lag_max_seconds",
             float(counters.get("loop_lag_ms_max", 0.0)) / 1000,

@@ -17,12 +17,41 @@
   the envelope and closed.
 * Bodies are not inflated by aiohttp (``auto_decompress=False``): the guard
   inflates them in steps, under the body cap.
+
+The express lane. With one message per request, aiohttp's request and
+response objects, its router and five middleware layers were about half of
+a leader's CPU per message (a cProfile of a leader under 32 clients). A
+connection whose requests are plain produce requests skips them: while
+aiohttp has not seen a byte of a connection, its bytes are framed here
+(:func:`express_head`). A request the lane takes is exactly ``POST
+/v1/topics/<name>/messages HTTP/1.1`` (a name of ``A-Z a-z 0-9 _ - .``, no
+query, no percent-encoding) whose header fields are each once of Host,
+User-Agent, Accept-Encoding, Content-Type (``application/json``), Accept
+(``*/*`` or ``application/json``), ``Connection: keep-alive`` and a
+Content-Length of at most 64 KiB (and the body cap): no Authorization,
+Transfer-Encoding, Content-Encoding or Expect, no field it does not know,
+every field name a token and every value visible ASCII. Its body is
+checked against the same schema, proposed by the same code and answered
+with the same bodies and errors
+(:meth:`http_api.app.BrokerApi.produce_express`); the request metrics count
+it on the same route. The first request that is anything else, and every
+byte after it, goes to aiohttp (the connection stays there: requests are
+answered in order, and aiohttp's parser never starts in the middle of a
+stream it did not frame). A head still incomplete waits under the header
+timeout, a body under the body timeout; bytes that arrive while a request is
+in flight wait for its answer (pipelining keeps its order). The lane is on
+unless ``http_express = false`` or bearer-token auth is configured.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import email.utils
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
 
 import orjson
 from aiohttp import http_exceptions, web
@@ -31,6 +60,8 @@ from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
 from http_api.guard import HttpLimits
+
+logger = logging.getLogger(__name__)
 
 LINGER_S = 2.0
 
@@ -72,15 +103,155 @@ def parser_error(exc: BaseException | None) -> tuple[str, str]:
     return "BAD_HTTP_MESSAGE", "malformed HTTP message"
 
 
+# -- the express lane (module docstring) ---------------------------------------
+EXPRESS_MAX_BODY = 64 << 10
+EXPRESS_MAX_HEAD = 8 << 10
+NEED_MORE: Final = "need more"
+_PREFIX = b"POST /v1/topics/"
+_SUFFIX = b"/messages HTTP/1.1"
+_TOPIC = re.compile(rb"[A-Za-z0-9_.\-]{1,127}")
+_TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z\-]+")
+_VALUE = re.compile(rb"[\x21-\x7e]+(?:[ \t]+[\x21-\x7e]+)*")
+
+
+def _any(value: bytes) -> bool:
+    return True
+
+
+def _length(value: bytes) -> bool:
+    return value.isdigit() and len(value) <= 9
+
+
+# field name -> test of its lower-cased value; any other field: aiohttp answers
+_FIELDS: dict[bytes, Callable[[bytes], bool]] = {
+    b"host": _any,
+    b"user-agent": _any,
+    b"accept-encoding": _any,  # the answers are never encoded
+    b"content-length": _length,
+    b"content-type": lambda v: v in (b"application/json", b"application/json; charset=utf-8"),
+    b"accept": lambda v: v in (b"*/*", b"application/json"),
+    b"connection": lambda v: v == b"keep-alive",
+}
+
+# (topic, offset of the body, body length), NEED_MORE, or None (aiohttp's)
+Framed = tuple[str, int, int] | str | None
+
+
+def express_head(buf: bytes | bytearray, max_body: int = EXPRESS_MAX_BODY) -> Framed:
+    """Whether the request at the start of ``buf`` is one the express lane
+    takes (module docstring): its topic, where its body starts and its
+    length; NEED_MORE while its head is incomplete and may still be one;
+    None when aiohttp must answer it."""
+    if len(buf) < len(_PREFIX):
+        return NEED_MORE if _PREFIX.startswith(buf) else None
+    if not buf.startswith(_PREFIX):
+        return None
+    end = buf.find(b"\r\n\r\n", 0, EXPRESS_MAX_HEAD)
+    if end < 0:
+        return NEED_MORE if len(buf) < EXPRESS_MAX_HEAD else None
+    head = bytes(buf[:end])
+    known = _heads.get(head)  # a client repeats its head: one parse per distinct head
+    if known is None:
+        known = _parse_head(head)
+        if known is not None and len(head) <= _HEAD_CACHED_MAX:
+            if len(_heads) >= _HEADS_MAX:
+                _heads.clear()
+            _heads[head] = known
+    if known is None or known[1] > max_body:
+        return None
+    return known[0], end + 4, known[1]
+
+
+_HEADS_MAX = 1024  # heads the lane took, at most 512 bytes each
+_HEAD_CACHED_MAX = 512
+_heads: dict[bytes, tuple[str, int]] = {}
+
+
+def _parse_head(head: bytes) -> tuple[str, int] | None:
+    """(topic, body length) of a head the lane takes, else None."""
+    lines = head.split(b"\r\n")
+    line = lines[0]
+    if not line.endswith(_SUFFIX):
+        return None
+    topic = line[len(_PREFIX) : -len(_SUFFIX)]
+    if not _TOPIC.fullmatch(topic) or topic in (b".", b".."):
+        return None
+    length = -1
+    seen: set[bytes] = set()
+    for field in lines[1:]:
+        name, colon, value = field.partition(b":")
+        if not colon or not _TOKEN.fullmatch(name):
+            return None
+        key = name.lower()
+        test = _FIELDS.get(key)
+        value = value.strip(b" \t")
+        if test is None or key in seen or not _VALUE.fullmatch(value) or not test(value.lower()):
+            return None
+        seen.add(key)
+        if key == b"content-length":
+            length = int(value)
+    if not 0 <= length <= EXPRESS_MAX_BODY:
+        return None
+    return topic.decode("ascii"), length
+
+
+_OK_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nDate: "
+_date_cache: list[Any] = [0, b""]
+
+
+def _http_date() -> bytes:
+    now = int(time.time())
+    if _date_cache[0] != now:
+        _date_cache[:] = [now, email.utils.formatdate(now, usegmt=True).encode()]
+    return bytes(_date_cache[1])
+
+
+def answer_bytes(answer: bytes | web.Response) -> tuple[bytes, bool]:
+    """The express lane's answer on the wire, and whether it closes the
+    connection: a success body as a 200, an error response as it is."""
+    date = _http_date()
+    if isinstance(answer, bytes):
+        head = b"%s%s\r\nContent-Length: %d\r\n\r\n" % (_OK_HEAD, date, len(answer))
+        return head + answer, False
+    body = answer.body
+    assert isinstance(body, bytes)
+    close = answer.keep_alive is False
+    lines = [f"HTTP/1.1 {answer.status} {answer.reason}"]
+    for name, value in answer.headers.items():
+        if name.lower() not in ("content-length", "connection", "date"):
+            lines.append(f"{name}: {value}")
+    lines.append(f"Content-Length: {len(body)}")
+    if close:
+        lines.append("Connection: close")
+    head = ("\r\n".join(lines) + "\r\nDate: ").encode("latin-1") + date + b"\r\n\r\n"
+    return head + body, close
+
+
+# what answers an express request: (topic, body, request target) -> answer
+Express = Callable[[str, bytes, str], Awaitable[bytes | web.Response]]
+# above this many bytes waiting behind an express request, reading pauses
+_XBUF_PAUSE = 1 << 20
+
+
 class NodeRequestHandler(RequestHandler):
     """aiohttp's connection handler with the node's limits (module docstring)."""
 
     limits: HttpLimits = HttpLimits()
+    express: Express | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
         self._got_bytes = False
+        # the express lane: on until aiohttp sees a byte of this connection
+        self._x_on = self.express is not None
+        self._xbuf = bytearray()
+        self._x_busy = False
+        self._x_paused = False
+        self._x_idle: asyncio.TimerHandle | None = None  # the idle timeout
+        self._x_body: asyncio.TimerHandle | None = None  # the body timeout
+        self._x_task: asyncio.Task[None] | None = None  # the answer in flight
+        self._x_answered = 0.0  # loop time of the last answer (the idle timeout)
 
     # -- open connections ------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -98,6 +269,10 @@ class NodeRequestHandler(RequestHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._cancel_header_timer()
+        for timer in (self._x_idle, self._x_body):
+            if timer is not None:
+                timer.cancel()
+        self._xbuf = bytearray()
         super().connection_lost(exc)
 
     def _refuse(self, status: int, code: str, message: str) -> None:
@@ -133,6 +308,116 @@ class NodeRequestHandler(RequestHandler):
             self.force_close()
 
     def data_received(self, data: bytes) -> None:
+        if self._x_on:
+            if self._force_close or self._close:
+                return
+            if self._keepalive_handle is not None:
+                # aiohttp's timer for a connection that never sent it a
+                # request: the lane's own timeouts govern from here on
+                self._keepalive_handle.cancel()
+                self._keepalive_handle = None
+            self._xbuf += data
+            if self._x_busy:
+                if len(self._xbuf) > _XBUF_PAUSE and not self._x_paused and self.transport:
+                    self._x_paused = True
+                    self.transport.pause_reading()
+            else:
+                self._express_next()
+            return
+        self._aiohttp_received(data)
+
+    # -- the express lane ------------------------------------------------------------
+    def _express_next(self) -> None:
+        """Take the next request from the buffer: answer it here, wait for
+        more of it, or hand the buffer (and the connection) to aiohttp."""
+        if not self._xbuf or self._force_close:
+            return
+        framed = express_head(self._xbuf, self.limits.max_body_bytes)
+        if framed is None:
+            self._x_on = False
+            for timer in (self._x_idle, self._x_body):
+                if timer is not None:
+                    timer.cancel()
+            self._x_idle = self._x_body = None
+            data, self._xbuf = bytes(self._xbuf), bytearray()
+            self._aiohttp_received(data)
+            return
+        if isinstance(framed, str):  # NEED_MORE: a head on its way, under the header timeout
+            if self._header_timer is None:
+                self._arm_header_timer()
+            self._got_bytes = True
+            return
+        self._cancel_header_timer()
+        self._got_bytes = False
+        topic, start, length = framed
+        if len(self._xbuf) < start + length:  # a body on its way, under the body timeout
+            if self._x_body is None:
+                self._x_body = self._loop.call_later(
+                    self.limits.body_timeout_s, self._body_timed_out
+                )
+            return
+        if self._x_body is not None:
+            self._x_body.cancel()
+            self._x_body = None
+        body = bytes(self._xbuf[start : start + length])
+        target = self._xbuf[5 : self._xbuf.index(b" ", 5)].decode("ascii")
+        del self._xbuf[: start + length]
+        self._x_busy = True
+        self._request_in_progress = True  # a shutdown waits for the answer
+        self._x_task = self._loop.create_task(self._express_answer(topic, body, target))
+
+    async def _express_answer(self, topic: str, body: bytes, target: str) -> None:
+        express = self.express
+        assert express is not None
+        close = True
+        try:
+            wire, close = answer_bytes(await express(topic, body, target))
+            transport = self.transport
+            if transport is not None and not transport.is_closing():
+                transport.write(wire)
+        except Exception:  # produce_express answers its errors; this is a bug
+            logger.exception("the express lane failed; closing the connection")
+        finally:
+            self._x_busy = False
+            self._x_task = None
+            self._request_in_progress = False
+            if self._handler_waiter is not None and not self._handler_waiter.done():
+                self._handler_waiter.set_result(None)  # a shutdown was waiting
+            if close or self._force_close or self._close:
+                self.force_close()
+            else:
+                if self._x_paused and self.transport is not None:
+                    self._x_paused = False
+                    self.transport.resume_reading()
+                self._x_answered = self._loop.time()
+                if self._xbuf:
+                    self._express_next()
+                elif self._x_idle is None:
+                    self._x_idle = self._loop.call_at(
+                        self._x_answered + self.limits.idle_timeout_s, self._idle_timed_out
+                    )
+
+    def _body_timed_out(self) -> None:
+        self._x_body = None
+        self._refuse(
+            408,
+            "REQUEST_TIMEOUT",
+            f"the request body did not arrive within {self.limits.body_timeout_s * 1000:.0f} "
+            "ms (http_body_timeout_ms)",
+        )
+
+    def _idle_timed_out(self) -> None:
+        self._x_idle = None
+        if self._x_busy or self._xbuf or not self._x_on:
+            return  # a request is here (or aiohttp has the connection): its own timers apply
+        due = self._x_answered + self.limits.idle_timeout_s
+        if self._loop.time() >= due:
+            self.force_close()
+        else:  # answered again since this timer was armed
+            self._x_idle = self._loop.call_at(due, self._idle_timed_out)
+
+    # -- aiohttp's path --------------------------------------------------------------
+    def _aiohttp_received(self, data: bytes) -> None:
         if data and not self._request_in_progress and not self._messages:
             if self._header_timer is None:  # the first byte of a new request
                 self._arm_header_timer()
@@ -170,9 +455,15 @@ class NodeRequestHandler(RequestHandler):
 class LimitedServer(Server):
     """aiohttp's low-level server making :class:`NodeRequestHandler`s."""
 
-    def __init__(self, *args: Any, limits: HttpLimits, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, limits: HttpLimits, express: Express | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
-        self.handler_class = type("BoundHandler", (NodeRequestHandler,), {"limits": limits})
+        self.handler_class = type(
+            "BoundHandler",
+            (NodeRequestHandler,),
+            {"limits": limits, "express": staticmethod(express) if express else None},
+        )
 
     def __call__(self) -> RequestHandler:
         return self.handler_class(self, loop=self._loop, **self._kwargs)  # type: ignore[no-any-return]
@@ -181,7 +472,13 @@ class LimitedServer(Server):
 class NodeAppRunner(web.AppRunner):
     """An AppRunner whose connections keep the node's HTTP limits."""
 
-    def __init__(self, app: web.Application, limits: HttpLimits, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        app: web.Application,
+        limits: HttpLimits,
+        express: Express | None = None,
+        **kwargs: Any,
+    ) -> None:
         kwargs.setdefault("keepalive_timeout", limits.idle_timeout_s)
         kwargs.setdefault("auto_decompress", False)
         # after answering a request whose body it did not read (a 408, 413,
@@ -190,6 +487,7 @@ class NodeAppRunner(web.AppRunner):
         kwargs.setdefault("lingering_time", min(LINGER_S, limits.body_timeout_s))
         super().__init__(app, **kwargs)
         self.limits = limits
+        self.express = express
 
     async def _make_server(self) -> Server:
         made = await super()._make_server()
@@ -199,5 +497,6 @@ class NodeAppRunner(web.AppRunner):
             handler_cancellation=made.handler_cancellation,
             loop=made._loop,
             limits=self.limits,
+            express=self.express,
             **made._kwargs,
         )

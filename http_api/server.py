@@ -3,6 +3,7 @@ broker API on one aiohttp application at the node's HTTP address."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 from aiohttp import web
@@ -17,7 +18,7 @@ from dledger.statemachine import LogStateMachine, StateMachine
 from http_api.app import ROUTE_ROLES as API_ROUTE_ROLES
 from http_api.app import BrokerApi
 from http_api.guard import GUARD_KEY, Guard, HttpLimits
-from http_api.protocol import NodeAppRunner
+from http_api.protocol import Express, NodeAppRunner
 
 API_KEY = web.AppKey("broker_api", BrokerApi)
 
@@ -66,6 +67,18 @@ def make_node_app(node: Node) -> web.Application:
     return app
 
 
+def express_of(node: Node, app: web.Application) -> Express | None:
+    """What answers the express lane's produce requests on ``app``
+    (:mod:`http_api.protocol`): none without the broker API, with
+    ``http_express = false``, or with bearer-token auth (which the lane does
+    not check)."""
+    api = app.get(API_KEY)
+    guard = app.get(GUARD_KEY)
+    if not node.cfg.http_express or node.cfg.auth is not None or api is None or guard is None:
+        return None
+    return functools.partial(api.produce_express, guard)
+
+
 class NodeServer(AdminServer):
     """Serves :func:`make_node_app` (operator routes plus /v1) on the node's http address."""
 
@@ -76,7 +89,11 @@ class NodeServer(AdminServer):
         # the node's connection limits (timeouts, connection cap, envelope
         # answers of the HTTP parser): http_api/protocol.py
         self._runner = NodeAppRunner(
-            app, HttpLimits.of(node.cfg), access_log=None, shutdown_timeout=2.0
+            app,
+            HttpLimits.of(node.cfg),
+            express_of(node, app),
+            access_log=None,
+            shutdown_timeout=2.0,
         )
 
     async def start(self) -> None:

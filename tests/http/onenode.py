@@ -15,8 +15,8 @@ from aiohttp.web_runner import BaseRunner
 from dledger.config import NodeConfig
 from dledger.node import Node
 from http_api.guard import HttpLimits
-from http_api.protocol import NodeAppRunner
-from http_api.server import BACKLOG, make_node_app, make_state_machine
+from http_api.protocol import Express, NodeAppRunner
+from http_api.server import BACKLOG, express_of, make_node_app, make_state_machine
 
 
 class _WideBacklog(socket.socket):
@@ -41,13 +41,16 @@ class NodeTestServer(TestServer):
     (http_api/protocol.py: limits, timeouts, envelope parser errors) and
     listen backlog (http_api/server.py)."""
 
-    def __init__(self, app: Any, limits: HttpLimits, **kwargs: Any) -> None:
+    def __init__(
+        self, app: Any, limits: HttpLimits, express: Express | None = None, **kwargs: Any
+    ) -> None:
         kwargs.setdefault("socket_factory", _wide_backlog_socket)
         super().__init__(app, **kwargs)
         self.limits = limits
+        self.express = express
 
     async def _make_runner(self, **kwargs: Any) -> BaseRunner:
-        return NodeAppRunner(self.app, self.limits, **kwargs)
+        return NodeAppRunner(self.app, self.limits, self.express, **kwargs)
 
 
 @asynccontextmanager
@@ -59,7 +62,8 @@ async def serve_one_node(cfg: NodeConfig) -> AsyncIterator[TestClient[Any, Any]]
     while not node.leader_ready():
         assert time.monotonic() < deadline, "a one-node cluster did not elect itself"
         await asyncio.sleep(0.02)
-    server = NodeTestServer(make_node_app(node), HttpLimits.of(cfg))
+    app = make_node_app(node)
+    server = NodeTestServer(app, HttpLimits.of(cfg), express_of(node, app))
     c: TestClient[Any, Any] = TestClient(server)
     await c.start_server()
     try:

@@ -339,13 +339,16 @@ class BrokerApi:
         body = await self._body(request)
         return json_response(await self._produce(topic, body, self._timeout_s(request)))
 
-    async def produce_express(self, guard: Guard, topic: str, raw: bytes, target: str) -> Answer:
+    async def produce_express(
+        self, guard: Guard, topic: str, raw: bytes, target: str, timeout_ms: int | None
+    ) -> Answer:
         """A produce request the express lane took (:mod:`http_api.protocol`):
         the checks and answers of the route's middlewares and handler (the
         schema, the produce, the error envelope, the request metrics), without
         aiohttp's request and response objects. ``target`` is the request
-        target as sent (the redirect of NOT_LEADER repeats it). The answer is
-        the success body, or the error response."""
+        target as sent (the redirect of NOT_LEADER repeats it); ``timeout_ms``
+        its query parameter, checked by the lane. The answer is the success
+        body, or the error response."""
         t0 = time.perf_counter()
         status = 500
         self.express_answers += 1
@@ -356,9 +359,8 @@ class BrokerApi:
                 resp = error_response(exc)  # 400 not JSON, 422 naming the field
             else:
                 try:
-                    answer = await self._produce(
-                        topic, body, self.node.cfg.request_timeout_ms / 1000
-                    )
+                    ms = self.node.cfg.request_timeout_ms if timeout_ms is None else timeout_ms
+                    answer = await self._produce(topic, body, ms / 1000)
                 except Exception as exc:
                     resp = self._error_answer(exc, "POST", target)
                 else:

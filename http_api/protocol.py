@@ -25,7 +25,7 @@ connection whose requests are plain produce requests skips them: while
 aiohttp has not seen a byte of a connection, its bytes are framed here
 (:func:`express_head`). A request the lane takes is exactly ``POST
 /v1/topics/<name>/messages HTTP/1.1`` (a name of ``A-Z a-z 0-9 _ - .``, no
-query, no percent-encoding) whose header fields are each once of Host,
+percent-encoding, no query but ``timeout_ms`` in bounds) whose header fields are each once of Host,
 User-Agent, Accept-Encoding, Content-Type (``application/json``), Accept
 (``*/*`` or ``application/json``), ``Connection: keep-alive`` and a
 Content-Length of at most 64 KiB (and the body cap): no Authorization,
@@ -108,7 +108,10 @@ EXPRESS_MAX_BODY = 64 << 10
 EXPRESS_MAX_HEAD = 8 << 10
 NEED_MORE: Final = "need more"
 _PREFIX = b"POST /v1/topics/"
-_SUFFIX = b"/messages HTTP/1.1"
+_SUFFIX = b" HTTP/1.1"
+_ROUTE_END = b"/messages"
+_TIMEOUT_Q = re.compile(rb"timeout_ms=([1-9][0-9]{0,5})")
+TIMEOUT_MS_MAX = 600_000  # the produce route's timeout_ms (/openapi.json)
 _TOPIC = re.compile(rb"[A-Za-z0-9_.\-]{1,127}")
 _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z\-]+")
 _VALUE = re.compile(rb"[\x21-\x7e]+(?:[ \t]+[\x21-\x7e]+)*")
@@ -133,8 +136,9 @@ _FIELDS: dict[bytes, Callable[[bytes], bool]] = {
     b"connection": lambda v: v == b"keep-alive",
 }
 
-# (topic, offset of the body, body length), NEED_MORE, or None (aiohttp's)
-Framed = tuple[str, int, int] | str | None
+# (topic, timeout_ms or None, offset of the body, body length), NEED_MORE,
+# or None (aiohttp's)
+Framed = tuple[str, int | None, int, int] | str | None
 
 
 def express_head(buf: bytes | bytearray, max_body: int = EXPRESS_MAX_BODY) -> Framed:
@@ -157,25 +161,34 @@ def express_head(buf: bytes | bytearray, max_body: int = EXPRESS_MAX_BODY) -> Fr
             if len(_heads) >= _HEADS_MAX:
                 _heads.clear()
             _heads[head] = known
-    if known is None or known[1] > max_body:
+    if known is None or known[2] > max_body:
         return None
-    return known[0], end + 4, known[1]
+    return known[0], known[1], end + 4, known[2]
 
 
 _HEADS_MAX = 1024  # heads the lane took, at most 512 bytes each
 _HEAD_CACHED_MAX = 512
-_heads: dict[bytes, tuple[str, int]] = {}
+_heads: dict[bytes, tuple[str, int | None, int]] = {}
 
 
-def _parse_head(head: bytes) -> tuple[str, int] | None:
-    """(topic, body length) of a head the lane takes, else None."""
+def _parse_head(head: bytes) -> tuple[str, int | None, int] | None:
+    """(topic, timeout_ms or None, body length) of a head the lane takes, else None."""
     lines = head.split(b"\r\n")
     line = lines[0]
     if not line.endswith(_SUFFIX):
         return None
-    topic = line[len(_PREFIX) : -len(_SUFFIX)]
+    path, question, query = line[len(_PREFIX) : -len(_SUFFIX)].partition(b"?")
+    if not path.endswith(_ROUTE_END):
+        return None
+    topic = path[: -len(_ROUTE_END)]
     if not _TOPIC.fullmatch(topic) or topic in (b".", b".."):
         return None
+    timeout_ms = None
+    if question:  # the route's one parameter, as digits within its bounds
+        m = _TIMEOUT_Q.fullmatch(query)
+        if m is None or int(m.group(1)) > TIMEOUT_MS_MAX:
+            return None
+        timeout_ms = int(m.group(1))
     length = -1
     seen: set[bytes] = set()
     for field in lines[1:]:
@@ -192,7 +205,7 @@ def _parse_head(head: bytes) -> tuple[str, int] | None:
             length = int(value)
     if not 0 <= length <= EXPRESS_MAX_BODY:
         return None
-    return topic.decode("ascii"), length
+    return topic.decode("ascii"), timeout_ms, length
 
 
 _OK_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nDate: "
@@ -227,8 +240,8 @@ def answer_bytes(answer: bytes | web.Response) -> tuple[bytes, bool]:
     return head + body, close
 
 
-# what answers an express request: (topic, body, request target) -> answer
-Express = Callable[[str, bytes, str], Awaitable[bytes | web.Response]]
+# what answers an express request: (topic, body, request target, timeout_ms)
+Express = Callable[[str, bytes, str, int | None], Awaitable[bytes | web.Response]]
 # above this many bytes waiting behind an express request, reading pauses
 _XBUF_PAUSE = 1 << 20
 
@@ -349,7 +362,7 @@ class NodeRequestHandler(RequestHandler):
             return
         self._cancel_header_timer()
         self._got_bytes = False
-        topic, start, length = framed
+        topic, timeout_ms, start, length = framed
         if len(self._xbuf) < start + length:  # a body on its way, under the body timeout
             if self._x_body is None:
                 self._x_body = self._loop.call_later(
@@ -364,14 +377,16 @@ class NodeRequestHandler(RequestHandler):
         del self._xbuf[: start + length]
         self._x_busy = True
         self._request_in_progress = True  # a shutdown waits for the answer
-        self._x_task = self._loop.create_task(self._express_answer(topic, body, target))
+        self._x_task = self._loop.create_task(self._express_answer(topic, body, target, timeout_ms))
 
-    async def _express_answer(self, topic: str, body: bytes, target: str) -> None:
+    async def _express_answer(
+        self, topic: str, body: bytes, target: str, timeout_ms: int | None
+    ) -> None:
         express = self.express
         assert express is not None
         close = True
         try:
-            wire, close = answer_bytes(await express(topic, body, target))
+            wire, close = answer_bytes(await express(topic, body, target, timeout_ms))
             transport = self.transport
             if transport is not None and not transport.is_closing():
                 transport.write(wire)

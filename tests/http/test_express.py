@@ -98,7 +98,12 @@ TAKEN = produce("v")
 NOT_TAKEN: dict[str, bytes] = {
     "lower_case_method": TAKEN.replace(b"POST", b"post", 1),
     "http_1_0": TAKEN.replace(b"HTTP/1.1", b"HTTP/1.0", 1),
-    "query": TAKEN.replace(b"/messages ", b"/messages?timeout_ms=5 ", 1),
+    "other_query": TAKEN.replace(b"/messages ", b"/messages?timeout=5 ", 1),
+    "two_timeouts": TAKEN.replace(b"/messages ", b"/messages?timeout_ms=5&timeout_ms=6 ", 1),
+    "timeout_out_of_bounds": TAKEN.replace(b"/messages ", b"/messages?timeout_ms=600001 ", 1),
+    "timeout_zero": TAKEN.replace(b"/messages ", b"/messages?timeout_ms=0 ", 1),
+    "timeout_signed": TAKEN.replace(b"/messages ", b"/messages?timeout_ms=+5 ", 1),
+    "empty_query": TAKEN.replace(b"/messages ", b"/messages? ", 1),
     "percent_encoding": TAKEN.replace(b"/t/", b"/%74/", 1),
     "dot_topic": TAKEN.replace(b"/t/", b"/../", 1),
     "other_route": TAKEN.replace(b"/messages ", b"/messagez ", 1),
@@ -125,8 +130,11 @@ NOT_TAKEN: dict[str, bytes] = {
 def test_the_lane_takes_plain_produce_requests_only() -> None:
     framed = express_head(TAKEN)
     assert isinstance(framed, tuple)
-    topic, start, length = framed
+    topic, timeout_ms, start, length = framed
     assert topic == "t" and TAKEN[start:].startswith(b"{") and len(TAKEN) == start + length
+    assert timeout_ms is None
+    timed = TAKEN.replace(b"/messages ", b"/messages?timeout_ms=600000 ", 1)
+    assert express_head(timed)[:2] == ("t", 600_000)  # type: ignore[index]
     # the fields a client library sends, any case, tabs around values
     ok = produce("v", extra=b"user-agent:\tpython-requests/2\r\nACCEPT: */*\r\n")
     ok = ok.replace(b"Host: x", b"Host: x\r\nConnection: Keep-Alive\r\nAccept-Encoding: gzip")
@@ -177,13 +185,19 @@ async def test_a_plain_produce_is_answered_by_the_lane_as_aiohttp_would(
         assert st == 200 and api.express_answers == 1
     finally:
         conn.close()
+    conn = await Conn.open(client)
+    try:  # the route's timeout_ms: the lane's too
+        await conn.send(produce("timed").replace(b"/messages ", b"/messages?timeout_ms=5000 "))
+        assert (await conn.answer())[0] == 200 and api.express_answers == 2
+    finally:
+        conn.close()
     assert set(fast) == set(slow)
     assert fast["messages"][0]["queue_offset"] == 0 and slow["messages"][0]["queue_offset"] == 1
-    assert await read_queue(client) == ["fast", "slow"]
+    assert await read_queue(client) == ["fast", "slow", "timed"]
     metrics = await (await client.get("/metrics")).text()
-    assert "dledger_http_express_total 1" in metrics
+    assert "dledger_http_express_total 2" in metrics
     # both paths count on the produce route
-    line = 'dledger_http_requests_total{method="POST",route="/v1/topics/{topic}/messages",status="200"} 2'
+    line = 'dledger_http_requests_total{method="POST",route="/v1/topics/{topic}/messages",status="200"} 3'
     assert line in metrics
 
 

@@ -21,6 +21,8 @@ from http_api.guard import GUARD_KEY, Guard, HttpLimits
 from http_api.protocol import Express, NodeAppRunner
 
 API_KEY = web.AppKey("broker_api", BrokerApi)
+# the middlewares make_node_app installs; the express lane answers as they do
+STANDARD_MIDDLEWARES = web.AppKey("standard_middlewares", tuple)
 
 
 # The listen backlog: a burst of connects beyond it waits in SYN_RECV for
@@ -64,17 +66,22 @@ def make_node_app(node: Node) -> web.Application:
         app.router.add_routes(api.routes())
         app[ROUTE_ROLES].update(API_ROUTE_ROLES)
         app.middlewares.insert(0, api.observe)  # outermost: sees every answer
+    app[STANDARD_MIDDLEWARES] = tuple(app.middlewares)
     return app
 
 
 def express_of(node: Node, app: web.Application) -> Express | None:
     """What answers the express lane's produce requests on ``app``
     (:mod:`http_api.protocol`): none without the broker API, with
-    ``http_express = false``, or with bearer-token auth (which the lane does
-    not check)."""
+    ``http_express = false``, with bearer-token auth (which the lane does
+    not check), or when a composition added a middleware to the app (a
+    broker group's agent routes produce requests: the lane would skip it).
+    Ask once the app is composed."""
     api = app.get(API_KEY)
     guard = app.get(GUARD_KEY)
     if not node.cfg.http_express or node.cfg.auth is not None or api is None or guard is None:
+        return None
+    if tuple(app.middlewares) != app.get(STANDARD_MIDDLEWARES):
         return None
     return functools.partial(api.produce_express, guard)
 
@@ -88,15 +95,13 @@ class NodeServer(AdminServer):
         super().__init__(node, app)
         # the node's connection limits (timeouts, connection cap, envelope
         # answers of the HTTP parser): http_api/protocol.py
-        self._runner = NodeAppRunner(
-            app,
-            HttpLimits.of(node.cfg),
-            express_of(node, app),
-            access_log=None,
-            shutdown_timeout=2.0,
+        self._runner = self._node_runner = NodeAppRunner(
+            app, HttpLimits.of(node.cfg), access_log=None, shutdown_timeout=2.0
         )
+        self._app = app
 
     async def start(self) -> None:
+        self._node_runner.express = express_of(self.node, self._app)  # composed by now
         await self._runner.setup()
         backlog = min(BACKLOG, self.node.cfg.http_max_connections)
         site = web.TCPSite(

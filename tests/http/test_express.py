@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from dledger.cluster import http_request
 from http_api.app import BrokerApi
 from http_api.protocol import NEED_MORE, answer_bytes, express_head
-from http_api.server import API_KEY
+from http_api.server import API_KEY, express_of, make_node_app
 from tests.http.onenode import serve_one_node
 from tests.http.test_edges import _cfg, parse_answer
 
@@ -342,6 +343,24 @@ async def test_aiohttp_keeps_a_connection_the_lane_handed_over(
         assert st == 200 and page["messages"] == []
     finally:
         conn.close()
+
+
+async def test_no_lane_when_a_composition_adds_a_middleware(
+    client: TestClient[Any, Any],
+) -> None:
+    """A broker group's agent adds a middleware that routes produce
+    requests (421 WRONG_GROUP, queue assignment): the lane would skip it,
+    so an app with a middleware of its own gets no lane."""
+    node = api_of(client).node
+    app = make_node_app(node)
+    assert express_of(node, app) is not None
+
+    @web.middleware
+    async def extra(request: web.Request, handler: Any) -> web.StreamResponse:
+        return await handler(request)
+
+    app.middlewares.append(extra)
+    assert express_of(node, app) is None
 
 
 async def test_the_lane_can_be_turned_off(tmp_path: Path) -> None:

@@ -40,7 +40,9 @@ answered in order, and aiohttp's parser never starts in the middle of a
 stream it did not frame). A head still incomplete waits under the header
 timeout, a body under the body timeout; bytes that arrive while a request is
 in flight wait for its answer (pipelining keeps its order). The lane is on
-unless ``http_express = false`` or bearer-token auth is configured.
+unless ``http_express = false``, bearer-token auth is configured, or a
+composition added a middleware to the node's app
+(:func:`http_api.server.express_of`).
 """
 
 from __future__ import annotations

@@ -107,6 +107,14 @@ def content_encoding(request: web.BaseRequest) -> str:
     return parts[0]
 
 
+def body_timeout(limits: HttpLimits) -> BodyTimeout:
+    """The 408 of a body that did not arrive within the body timeout."""
+    return BodyTimeout(
+        f"the body did not arrive within {limits.body_timeout_s * 1000:.0f} ms "
+        "(http_body_timeout_ms)"
+    )
+
+
 def _too_large(cap: int, what: str) -> PayloadTooLarge:
     return PayloadTooLarge(f"the request body {what} more than {cap} bytes (http_max_body_bytes)")
 
@@ -165,10 +173,7 @@ async def read_body(request: web.Request, limits: HttpLimits) -> bytes:
                     data = inflater.unconsumed_tail
                     await asyncio.sleep(0)
     except TimeoutError:
-        raise BodyTimeout(
-            f"the body did not arrive within {limits.body_timeout_s * 1000:.0f} ms "
-            "(http_body_timeout_ms)"
-        ) from None
+        raise body_timeout(limits) from None
     if inflater is not None and sent and not inflater.eof:
         raise BadEncoding(f"the {encoding} stream ends early")
     return b"".join(out)

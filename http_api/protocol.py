@@ -61,7 +61,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
-from http_api.guard import HttpLimits
+from http_api.guard import HttpLimits, body_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -284,9 +284,7 @@ class NodeRequestHandler(RequestHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._cancel_header_timer()
-        for timer in (self._x_idle, self._x_body):
-            if timer is not None:
-                timer.cancel()
+        self._cancel_lane_timers()
         self._xbuf = bytearray()
         super().connection_lost(exc)
 
@@ -342,6 +340,12 @@ class NodeRequestHandler(RequestHandler):
         self._aiohttp_received(data)
 
     # -- the express lane ------------------------------------------------------------
+    def _cancel_lane_timers(self) -> None:
+        for timer in (self._x_idle, self._x_body):
+            if timer is not None:
+                timer.cancel()
+        self._x_idle = self._x_body = None
+
     def _express_next(self) -> None:
         """Take the next request from the buffer: answer it here, wait for
         more of it, or hand the buffer (and the connection) to aiohttp."""
@@ -350,10 +354,7 @@ class NodeRequestHandler(RequestHandler):
         framed = express_head(self._xbuf, self.limits.max_body_bytes)
         if framed is None:
             self._x_on = False
-            for timer in (self._x_idle, self._x_body):
-                if timer is not None:
-                    timer.cancel()
-            self._x_idle = self._x_body = None
+            self._cancel_lane_timers()
             data, self._xbuf = bytes(self._xbuf), bytearray()
             self._aiohttp_received(data)
             return
@@ -416,12 +417,8 @@ class NodeRequestHandler(RequestHandler):
 
     def _body_timed_out(self) -> None:
         self._x_body = None
-        self._refuse(
-            408,
-            "REQUEST_TIMEOUT",
-            f"the request body did not arrive within {self.limits.body_timeout_s * 1000:.0f} "
-            "ms (http_body_timeout_ms)",
-        )
+        exc = body_timeout(self.limits)
+        self._refuse(408, exc.code, str(exc))
 
     def _idle_timed_out(self) -> None:
         self._x_idle = None

@@ -51,7 +51,7 @@ from http_api.errors import (
     UnsupportedEncoding,
     error_response,
 )
-from http_api.openapi import OPERATIONS, Op, request_schemas
+from http_api.openapi import OPERATIONS, QUICK, Op, request_schemas
 from http_api.parse_worker import ParseWorker, token_bound
 from http_api.schema import YIELD_EVERY, Compiler, check_body, parse_query_value
 
@@ -197,7 +197,7 @@ class Guard:
     def __init__(self, limits: HttpLimits, offload: bool = True) -> None:
         self.limits = limits
         self.components = request_schemas(limits.max_batch_messages, limits.max_message_properties)
-        self.compiler = Compiler(self.components)
+        self.compiler = Compiler(self.components, QUICK)
         # Bodies that may hold more values than this are parsed and checked
         # in a helper process first (http_api/parse_worker.py); below it an
         # inline parse costs at most ~10-20 ms.

@@ -33,7 +33,7 @@ import orjson
 from broker_adapter.errors import InvalidArgument
 from dledger.errors import Overloaded
 from http_api.errors import BadBody
-from http_api.openapi import request_schemas
+from http_api.openapi import QUICK, request_schemas
 from http_api.schema import Compiler
 
 logger = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class ParseWorker:
 
 def main(argv: list[str]) -> int:
     """The helper: answer each request on stdin until EOF."""
-    compiler = Compiler(request_schemas(int(argv[0]), int(argv[1])))
+    compiler = Compiler(request_schemas(int(argv[0]), int(argv[1])), QUICK)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     while True:
         header = stdin.readline()

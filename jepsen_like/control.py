@@ -37,9 +37,11 @@ import random
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -248,6 +250,31 @@ def _toml_scalar(v: int | str | bool) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     return _toml_str(v) if isinstance(v, str) else str(v)
+
+
+_WAL_HEAD = struct.Struct("<IIQI")  # magic, body length, seq, crc32
+_WAL_MAGIC = 0xD1EDA1CE
+
+
+def wal_records(data: bytes) -> list[tuple[int, int, int]]:
+    """(seq, start, end) of the whole records at the start of a node's
+    write-ahead log (the framing of dledger/storage/wal.py: magic,
+    length, sequence number, CRC32 of the first 16 bytes and the body, the
+    body, zero padding to 8 bytes), up to the first that is not whole and
+    CRC-valid; ``end`` excludes the padding. Parsed here rather than
+    imported: the harness does not import server code."""
+    out: list[tuple[int, int, int]] = []
+    off = 0
+    while off + _WAL_HEAD.size <= len(data):
+        magic, length, seq, crc = _WAL_HEAD.unpack_from(data, off)
+        end = off + _WAL_HEAD.size + length
+        if magic != _WAL_MAGIC or end > len(data):
+            break
+        if zlib.crc32(data[off + _WAL_HEAD.size : end], zlib.crc32(data[off : off + 16])) != crc:
+            break
+        out.append((seq, off, end))
+        off = end + (-(end - off) % 8)
+    return out
 
 
 class Cluster:
@@ -557,10 +584,37 @@ class Cluster:
 
     # -- corruption ------------------------------------------------------------
     def corrupt(self, node_id: int, rng: random.Random) -> dict[str, Any]:
-        """Damage the stopped node's LMDB data file: truncate its tail or flip bits
-        near its end (where the most recent pages are)."""
+        """Damage the stopped node's data: its LMDB data file (truncate its
+        tail or flip bits near its end, where the most recent pages are), or,
+        half the time when it holds two whole records or more, its
+        write-ahead log (flip bits inside one record that another follows:
+        rot the node must detect by CRC and refuse, see
+        :mod:`dledger.storage.wal`). The log's last record is left alone: a
+        damaged last record is indistinguishable from a torn write, which
+        the node cuts off as never acknowledged."""
         m = self.members[node_id]
         assert not self.alive(node_id), "corrupt only a stopped node"
+        wal_path = m.data_dir / "wal"
+        try:
+            spans = wal_records(wal_path.read_bytes())
+        except OSError:
+            spans = []
+        if len(spans) >= 2 and rng.random() < 0.5:
+            seq, start, end = rng.choice(spans[:-1])
+            flips = sorted({rng.randrange(start, end) for _ in range(rng.randint(1, 8))})
+            with open(wal_path, "r+b") as fh:
+                for pos in flips:
+                    fh.seek(pos)
+                    b = fh.read(1)
+                    fh.seek(pos)
+                    fh.write(bytes([b[0] ^ (1 << rng.randrange(8))]))
+            return {
+                "mode": "bitflip",
+                "file": wal_path.name,
+                "record": seq,
+                "records": len(spans),
+                "positions": flips,
+            }
         path = m.data_dir / "data.mdb"
         try:
             size = path.stat().st_size

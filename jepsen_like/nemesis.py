@@ -33,7 +33,9 @@ Kinds and shapes (targets are voters unless said otherwise):
   is outside the lease's fault model (bounded drift, DESIGN.md), so the
   strobe moves the wall clock only (``FAKETIME_DONT_FAKE_MONOTONIC``).
 * ``corrupt``: one node (a minority) is killed, its LMDB data file is
-  truncated or has bits flipped, and it is restarted. If it refuses to
+  truncated or has bits flipped (or, half the time when its write-ahead
+  log holds two records or more, bits flip inside a record of the log that
+  another follows: rot, not a torn write), and it is restarted. If it refuses to
   start (it must, when it detects the damage), the replica is rebuilt from
   its peers: its data directory is wiped and it rejoins empty. Wiping a
   voter is only safe when (1) every other voter holds every committed

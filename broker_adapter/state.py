@@ -602,14 +602,29 @@ class BrokerState:
         add_qoff = qoffs.append
         if log_backed:
             bodies.put_entry(entry.index, base_pos)  # the records stay in the entry
-        for off, size, q, th in heads:
-            cq = queues[q]
-            qoff = cq.hi
-            add_qoff(qoff)
-            phys = base_pos + off
-            index_put(cq.qid, qoff, (phys, size, th, now))
-            cq.hi = qoff + 1
-            if not log_backed:
+            # The index entries of each queue go in one run (consecutive
+            # queue offsets): one packed slice per queue instead of a put
+            # per message.
+            runs: dict[int, list[int]] = {}
+            for off, size, q, th in heads:
+                cq = queues[q]
+                add_qoff(cq.hi)
+                cq.hi += 1
+                run = runs.get(q)
+                if run is None:
+                    run = runs[q] = []
+                run += (base_pos + off, size, th, now)
+            for q, run in runs.items():
+                cq = queues[q]
+                bodies.index_put_run(cq.qid, cq.hi - len(run) // 4, run)
+        else:
+            for off, size, q, th in heads:
+                cq = queues[q]
+                qoff = cq.hi
+                add_qoff(qoff)
+                phys = base_pos + off
+                index_put(cq.qid, qoff, (phys, size, th, now))
+                cq.hi = qoff + 1
                 put(phys, data[off : off + size])
         self.stored_bytes += pos - p.records_start  # the records are back to back
         self.stored_messages += len(heads)

@@ -730,3 +730,40 @@ def test_index_rows_decode_to_columns_like_unpacking_each_row(
     if rows:
         with pytest.raises(ValueError, match="whole number"):
             _ival_columns(raw[:-1])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 2), st.integers(1, 900)),
+        min_size=1,
+        max_size=6,
+    ),
+    st.sets(st.tuples(st.integers(0, 3), st.integers(0, 3)), max_size=4),
+)
+def test_a_run_of_index_entries_stores_what_a_put_of_each_does(
+    runs: list[tuple[int, int, int]], durable_blocks: set[tuple[int, int]]
+) -> None:
+    """index_put_run (a produce's entries of one queue, packed at once) and
+    index_put of each entry leave the same blocks: across block boundaries,
+    after gaps, over blocks read back from LMDB."""
+    from broker_adapter.bodies import _BKEY, BLOCK_UNITS, _BlockIndex
+
+    def fresh() -> _BlockIndex:
+        bi = _BlockIndex(None)  # type: ignore[arg-type]
+        stored = {
+            _BKEY.pack(q, b): bytes(range(q + b, q + b + 48)) for q, b in durable_blocks
+        }
+        bi._durable = stored.get  # type: ignore[method-assign]
+        return bi
+
+    one, run = fresh(), fresh()
+    hi = [0, 0, 0, 0]
+    for q, gap, n in runs:
+        off = hi[q] + gap * (BLOCK_UNITS - 7)
+        flat = [v for k in range(n) for v in (1000 * q + off + k, 140 + k, k * 7, 5 + q)]
+        for k in range(n):
+            one.put(q, off + k, (flat[4 * k], flat[4 * k + 1], flat[4 * k + 2], flat[4 * k + 3]))
+        run.put_run(q, off, flat)
+        hi[q] = off + n
+    assert run.over == one.over

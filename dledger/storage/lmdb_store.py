@@ -409,6 +409,15 @@ def _check_data_file_size(data_path: str) -> None:
         )
 
 
+def _buffered(limit: int, pending: list[Entry], lo: int, hi: int) -> list[Entry]:
+    """Buffered entries lo..hi-1 of a view (those at or above ``limit``).
+    Empty when hi is at or below limit: a negative slice end would count
+    from the end of the buffer and hand back entries after hi."""
+    if hi <= limit:
+        return []
+    return pending[max(lo, limit) - limit : hi - limit]
+
+
 class LmdbStorage:
     """Implements :class:`~dledger.storage.base.LogStorage`,
     :class:`~dledger.storage.base.StableStore` and
@@ -565,6 +574,13 @@ class LmdbStorage:
         # _pending holds entries limit..last.
         self._limit = last + 1
         self._pending: list[Entry] = []
+        # The leader's group commit runs sync() in a worker thread while
+        # the event loop keeps reading (consume pages, appends to send):
+        # when that commit catches LMDB up it swaps the buffer and the
+        # limit under this lock, and a read takes both under it (_view), so
+        # it never pairs the old limit with the emptied buffer (a short
+        # read: a spurious "record not here" for a committed message).
+        self._view_lock = threading.Lock()
         self._hs_dirty = False
         # Term or vote changed since the last commit: fsynced even in async
         # mode (see sync()).
@@ -955,25 +971,23 @@ class LmdbStorage:
             return []
         out: list[Entry] = []
         total = 0
-        durable_hi = min(hi, self._limit)
+        limit, pending = self._view()
+        durable_hi = min(hi, limit)
         if lo < durable_hi:
             total = self._read_durable(lo, durable_hi, max_bytes, out)
             if len(out) < durable_hi - lo:
                 return out  # the byte budget ran out inside the durable part
-        for e in self._buffered(lo, hi):
+        for e in _buffered(limit, pending, lo, hi):
             total += len(e.data)
             if max_bytes is not None and total > max_bytes and out:
                 break
             out.append(e)
         return out
 
-    def _buffered(self, lo: int, hi: int) -> list[Entry]:
-        """Buffered entries lo..hi-1 (those at or above limit). Empty when hi
-        is at or below limit: a negative slice end would count from the end
-        of the buffer and hand back entries after hi."""
-        if hi <= self._limit:
-            return []
-        return self._pending[max(lo, self._limit) - self._limit : hi - self._limit]
+    def _view(self) -> tuple[int, list[Entry]]:
+        """(limit, buffer), taken together (see ``_view_lock``)."""
+        with self._view_lock:
+            return self._limit, self._pending
 
     def conf_entries(self, lo: int, hi: int) -> list[Entry]:
         """The CONF_CHANGE entries in [lo, hi), in order. Only each record's
@@ -985,7 +999,8 @@ class LmdbStorage:
             raise Compacted(f"index {lo} is compacted (first index {self._offset + 1})")
         hi = min(hi, self._last + 1)
         out: list[Entry] = []
-        durable_hi = min(hi, self._limit)
+        limit, pending = self._view()
+        durable_hi = min(hi, limit)
         conf = int(EntryType.CONF_CHANGE)
         if lo < durable_hi:
             try:
@@ -1004,7 +1019,7 @@ class LmdbStorage:
                                 out.append(e)
             except _LMDB_DAMAGE as exc:
                 raise self._corrupt(lo, f"LMDB reported damage while reading: {exc}") from exc
-        for e in self._buffered(lo, hi):
+        for e in _buffered(limit, pending, lo, hi):
             if e.type is EntryType.CONF_CHANGE:
                 out.append(e)
         return out
@@ -1046,8 +1061,9 @@ class LmdbStorage:
 
     def _entry(self, index: int) -> Entry:
         """Entry ``index`` (offset < index <= last) from the logical view."""
-        if index >= self._limit:
-            return self._pending[index - self._limit]
+        limit, pending = self._view()
+        if index >= limit:
+            return pending[index - limit]
         out: list[Entry] = []
         self._read_durable(index, index + 1, None, out)
         return out[0]
@@ -1384,12 +1400,16 @@ class LmdbStorage:
         self._write(self._apply_batch)
         if self.flush_mode == "sync":
             self.fsync_seconds.observe(time.perf_counter() - t0)
-        # Only now, after a successful commit, is the batch forgotten.
-        self._pending.clear()
+        # Only now, after a successful commit, is the batch forgotten: a new
+        # buffer (a read may still hold the old one, with the old limit: a
+        # consistent view, every entry of it durable now) and the limit
+        # together (see _view_lock).
+        with self._view_lock:
+            self._pending = []
+            self._limit = self._last + 1
+            self._durable_last = self._last
         self._batch_side = {}
         self.side_synced = side_staged
-        self._limit = self._last + 1
-        self._durable_last = self._last
         self._hs_dirty = self._front_dirty = False
         self._dirty_terms.clear()
         self.write_txns += 1

@@ -751,9 +751,7 @@ def test_a_run_of_index_entries_stores_what_a_put_of_each_does(
 
     def fresh() -> _BlockIndex:
         bi = _BlockIndex(None)  # type: ignore[arg-type]
-        stored = {
-            _BKEY.pack(q, b): bytes(range(q + b, q + b + 48)) for q, b in durable_blocks
-        }
+        stored = {_BKEY.pack(q, b): bytes(range(q + b, q + b + 48)) for q, b in durable_blocks}
         bi._durable = stored.get  # type: ignore[method-assign]
         return bi
 

@@ -304,11 +304,19 @@ class GroupAgent:
         return json_response(res, 201 if request.method == "POST" else 200)
 
     def _route_produce(self, request: web.Request, topic: str) -> web.Response | None:
+        body = request.get(JSON_BODY)
+        return self.route_produce_body(topic, body) if isinstance(body, dict) else None
+
+    def route_produce_body(self, topic: str, body: dict[str, Any]) -> web.Response | None:
+        """A checked produce body to ``topic``: 421 WRONG_GROUP when a message
+        names (or its sharding key hashes to) another group's queue; queues
+        of this group filled in for messages that name none. None: go on.
+        The middleware's produce step, and the express lane's hook for it
+        (http_api.server.PRODUCE_HOOKS)."""
         if self.table is None:
             return None
         r = route_from_table(self.table, topic)
-        body = request.get(JSON_BODY)
-        if r is None or not isinstance(body, dict):
+        if r is None:
             return None
         msgs = body.get("messages")
         if not isinstance(msgs, list):

@@ -56,7 +56,7 @@ from dledger_app.broker_agent import GroupAgent
 from dledger_app.controller_node import ControllerServer
 from dledger_app.groups import GroupFile, MultiCluster, load_group_file
 from http_api import cli as client_cli
-from http_api.server import NodeServer, make_node_app, make_state_machine
+from http_api.server import PRODUCE_HOOKS, NodeServer, make_node_app, make_state_machine
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -135,6 +135,8 @@ async def run_node(cfg: NodeConfig, group: GroupFile | None = None) -> int:
             app.router.add_routes(agent.routes())
             app[APP_ROUTE_ROLES].update(GroupAgent.ROUTE_ROLES)
             app.middlewares.append(agent.middleware)  # innermost: after auth and the guard
+            # what the middleware does to a produce body, for the express lane
+            app.setdefault(PRODUCE_HOOKS, {})[agent.middleware] = agent.route_produce_body
         server = NodeServer(node, app)
     else:
         server = AdminServer(node)

@@ -113,6 +113,9 @@ PRODUCE_ROUTE = "/v1/topics/{topic}/messages"
 PRODUCE_SCHEMA = str(OPERATIONS[("POST", PRODUCE_ROUTE)].body)
 # What the express lane's produce answers: the success body, or an error.
 Answer = bytes | web.Response
+# What a composition's middleware does to a checked produce body (see
+# http_api.server.PRODUCE_HOOKS): an error answer, or None to go on.
+ProduceHook = Callable[[str, dict[str, Any]], "web.Response | None"]
 
 
 class BrokerApi:
@@ -340,15 +343,23 @@ class BrokerApi:
         return json_response(await self._produce(topic, body, self._timeout_s(request)))
 
     async def produce_express(
-        self, guard: Guard, topic: str, raw: bytes, target: str, timeout_ms: int | None
+        self,
+        guard: Guard,
+        hooks: tuple[ProduceHook, ...],
+        topic: str,
+        raw: bytes,
+        target: str,
+        timeout_ms: int | None,
     ) -> Answer:
         """A produce request the express lane took (:mod:`http_api.protocol`):
         the checks and answers of the route's middlewares and handler (the
         schema, the produce, the error envelope, the request metrics), without
         aiohttp's request and response objects. ``target`` is the request
         target as sent (the redirect of NOT_LEADER repeats it); ``timeout_ms``
-        its query parameter, checked by the lane. The answer is the success
-        body, or the error response."""
+        its query parameter, checked by the lane; ``hooks``: what the
+        composition's middlewares do to a checked produce body, in their
+        order (:data:`http_api.server.PRODUCE_HOOKS`). The answer is the
+        success body, or the error response."""
         t0 = time.perf_counter()
         status = 500
         self.express_answers += 1
@@ -359,6 +370,11 @@ class BrokerApi:
                 resp = error_response(exc)  # 400 not JSON, 422 naming the field
             else:
                 try:
+                    for hook in hooks:
+                        refused = hook(topic, body)
+                        if refused is not None:
+                            status = refused.status
+                            return refused
                     ms = self.node.cfg.request_timeout_ms if timeout_ms is None else timeout_ms
                     answer = await self._produce(topic, body, ms / 1000)
                 except Exception as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 from aiohttp import web
 
@@ -23,6 +24,12 @@ from http_api.protocol import Express, NodeAppRunner
 API_KEY = web.AppKey("broker_api", BrokerApi)
 # the middlewares make_node_app installs; the express lane answers as they do
 STANDARD_MIDDLEWARES = web.AppKey("standard_middlewares", tuple)
+# A composition that appends a middleware acting on produce requests (a
+# broker group's agent routes them) registers here, per middleware, what it
+# does to a checked produce body (ProduceHook: an error answer, or None to go
+# on, possibly after changing the body); the express lane then runs the same
+# hooks in the same order instead of giving way.
+PRODUCE_HOOKS = web.AppKey("produce_hooks", dict)
 
 
 # The listen backlog: a burst of connects beyond it waits in SYN_RECV for
@@ -74,16 +81,22 @@ def express_of(node: Node, app: web.Application) -> Express | None:
     """What answers the express lane's produce requests on ``app``
     (:mod:`http_api.protocol`): none without the broker API, with
     ``http_express = false``, with bearer-token auth (which the lane does
-    not check), or when a composition added a middleware to the app (a
-    broker group's agent routes produce requests: the lane would skip it).
-    Ask once the app is composed."""
+    not check), or when a composition added a middleware to the app that
+    did not register its :data:`PRODUCE_HOOKS` entry (the lane would skip
+    it). Ask once the app is composed."""
     api = app.get(API_KEY)
     guard = app.get(GUARD_KEY)
     if not node.cfg.http_express or node.cfg.auth is not None or api is None or guard is None:
         return None
-    if tuple(app.middlewares) != app.get(STANDARD_MIDDLEWARES):
+    standard: tuple[Any, ...] = app.get(STANDARD_MIDDLEWARES, ())
+    mws = tuple(app.middlewares)
+    if mws[: len(standard)] != standard:
+        return None  # a composition put one before or between ours
+    known = app.get(PRODUCE_HOOKS, {})
+    extra = mws[len(standard) :]
+    if any(mw not in known for mw in extra):
         return None
-    return functools.partial(api.produce_express, guard)
+    return functools.partial(api.produce_express, guard, tuple(known[mw] for mw in extra))
 
 
 class NodeServer(AdminServer):

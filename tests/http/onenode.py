@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from aiohttp.web_runner import BaseRunner
 
@@ -54,8 +55,11 @@ class NodeTestServer(TestServer):
 
 
 @asynccontextmanager
-async def serve_one_node(cfg: NodeConfig) -> AsyncIterator[TestClient[Any, Any]]:
-    """Start a one-voter node from ``cfg``, wait until it leads, serve its app."""
+async def serve_one_node(
+    cfg: NodeConfig, compose: Callable[[web.Application], None] | None = None
+) -> AsyncIterator[TestClient[Any, Any]]:
+    """Start a one-voter node from ``cfg``, wait until it leads, serve its app
+    (after ``compose`` extended it, as a broker group's agent does)."""
     node = Node(cfg, make_state_machine(cfg))
     await node.start()
     deadline = time.monotonic() + 10
@@ -63,6 +67,8 @@ async def serve_one_node(cfg: NodeConfig) -> AsyncIterator[TestClient[Any, Any]]
         assert time.monotonic() < deadline, "a one-node cluster did not elect itself"
         await asyncio.sleep(0.02)
     app = make_node_app(node)
+    if compose is not None:
+        compose(app)
     server = NodeTestServer(app, HttpLimits.of(cfg), express_of(node, app))
     c: TestClient[Any, Any] = TestClient(server)
     await c.start_server()

@@ -363,6 +363,65 @@ async def test_no_lane_when_a_composition_adds_a_middleware(
     assert express_of(node, app) is None
 
 
+async def test_a_composition_s_produce_hook_runs_on_the_lane_as_in_its_middleware(
+    tmp_path: Path,
+) -> None:
+    """A middleware that registers what it does to a produce body (as a
+    broker group's agent does: refuse another group's queue with 421, fill
+    in this group's queue) keeps the lane on, and the lane runs it: the same
+    answers, the same stored messages, whichever path a request takes."""
+    from http_api.errors import envelope
+    from http_api.guard import JSON_BODY
+    from http_api.server import PRODUCE_HOOKS
+
+    def route(topic: str, body: dict[str, Any]) -> web.Response | None:
+        for k, m in enumerate(body["messages"]):
+            if m.get("queue") == 1:
+                return envelope(
+                    421, "WRONG_GROUP", "queue 1 is elsewhere", field=f"messages[{k}].queue"
+                )
+            m["queue"] = 0
+        return None
+
+    @web.middleware
+    async def agent(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.method == "POST" and request.path.endswith("/messages"):
+            refused = route(request.match_info["topic"], request[JSON_BODY])
+            if refused is not None:
+                return refused
+        return await handler(request)
+
+    def compose(app: web.Application) -> None:
+        app.middlewares.append(agent)
+        app[PRODUCE_HOOKS] = {agent: route}
+
+    async with serve_one_node(_cfg(tmp_path), compose) as c:
+        assert (await c.post("/v1/topics", json={"name": "t", "queues": 2})).status == 201
+        conn = await Conn.open(c)
+        try:
+            wrong = produce("w").replace(b'"queue": 0', b'"queue": 1')
+            # the lane, then aiohttp (a field the lane does not take)
+            for path, extra in (("lane", b""), ("aiohttp", b"X-Trace: 1\r\n")):
+                before = api_of(c).express_answers
+                req = wrong.replace(b"Host: x\r\n", b"Host: x\r\n" + extra)
+                await conn.send(req)
+                st, _, doc = await conn.answer()
+                assert (st, doc["error"]["code"], doc["error"]["field"]) == (
+                    421,
+                    "WRONG_GROUP",
+                    "messages[0].queue",
+                )
+                body = json.dumps({"messages": [{"value": path, "encoding": "utf-8"}]}).encode()
+                none = HEAD + b"Content-Length: %d\r\n\r\n" % len(body) + body
+                await conn.send(none.replace(b"Host: x\r\n", b"Host: x\r\n" + extra))
+                st, _, doc = await conn.answer()
+                assert st == 200 and doc["messages"][0]["queue"] == 0
+                assert api_of(c).express_answers - before == (2 if path == "lane" else 0)
+        finally:
+            conn.close()
+        assert await read_queue(c) == ["lane", "aiohttp"]
+
+
 async def test_the_lane_can_be_turned_off(tmp_path: Path) -> None:
     async with serve_one_node(_cfg(tmp_path, http_express=False)) as c:
         assert (await c.post("/v1/topics", json={"name": "t", "queues": 2})).status == 201

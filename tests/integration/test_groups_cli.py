@@ -5,6 +5,7 @@ process is also stopped by PID at the end, whatever happened)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,15 @@ def dledger(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return p
 
 
+def express_total(addr: str) -> float:
+    text = http_request(addr, "GET", "/metrics", timeout_s=5).body.decode()
+    return next(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("dledger_http_express_total")
+    )
+
+
 def test_cluster_up_groups_status_routes_kill_and_down(tmp_path: Path) -> None:
     d = str(tmp_path / "mc")
     try:
@@ -57,6 +67,24 @@ def test_cluster_up_groups_status_routes_kill_and_down(tmp_path: Path) -> None:
             timeout_s=10,
         )
         assert r.status == 421 and r.json()["error"]["group"] == "g2", r.body
+        # the same on the express lane (plain produce requests: the agent's
+        # routing runs there too), on a topic of its own
+        r = http_request(g1, "POST", "/v1/topics", b'{"name": "lane", "queues": 2}', timeout_s=30)
+        assert r.status == 201 and [q["group"] for q in r.json()["queues"]] == ["g1", "g2"]
+        before = express_total(g1)
+        json_ct = {"Content-Type": "application/json"}
+        for q, status in ((1, 421), (0, 200), (None, 200)):
+            msg: dict[str, object] = {"value": "x", "encoding": "utf-8"}
+            if q is not None:
+                msg["queue"] = q
+            body = json.dumps({"messages": [msg]}).encode()
+            r = http_request(g1, "POST", "/v1/topics/lane/messages", body, 10, json_ct)
+            assert r.status == status, r.body
+            if status == 421:
+                assert r.json()["error"]["group"] == "g2", r.body
+            else:  # no queue named: the agent picks g1's
+                assert r.json()["messages"][0]["queue"] == 0, r.body
+        assert express_total(g1) == before + 3
         # growing a topic: new queues placed by their number, each group grows its copy
         r = http_request(g1, "PATCH", "/v1/topics/t", b'{"queues": 6}', timeout_s=30)
         assert r.status == 200 and r.json()["pending_groups"] == [], r.body

@@ -712,16 +712,21 @@ class _BlockIndex:
             return self.over[key]
         return self._durable(key)
 
-    def put(self, qid: int, off: int, entry: IndexEntry) -> None:
-        key, i = self.key(qid, off)
+    def _writable(self, key: bytes, at: int) -> bytearray:
+        """Block ``key`` in :attr:`over` (copied from the durable one on
+        first change), at least ``at`` bytes long."""
         blk = self.over.get(key)
         if blk is None:
             old = None if key in self.over else self._durable(key)
             blk = self.over[key] = bytearray(old or b"")
-        at = i * _UNIT
         if len(blk) < at:
             blk.extend(bytes(at - len(blk)))  # a gap: never read (below min or a restore)
-        blk[at : at + _UNIT] = _IVAL.pack(*entry)
+        return blk
+
+    def put(self, qid: int, off: int, entry: IndexEntry) -> None:
+        key, i = self.key(qid, off)
+        at = i * _UNIT
+        self._writable(key, at)[at : at + _UNIT] = _IVAL.pack(*entry)
 
     def put_run(self, qid: int, off: int, flat: Sequence[int]) -> None:
         """:meth:`put` of consecutive entries (``flat``: four fields each),
@@ -732,14 +737,10 @@ class _BlockIndex:
         while k < n:
             key, i = self.key(qid, off + k)
             m = min(n - k, BLOCK_UNITS - i)
-            blk = self.over.get(key)
-            if blk is None:
-                old = None if key in self.over else self._durable(key)
-                blk = self.over[key] = bytearray(old or b"")
             at = i * _UNIT
-            if len(blk) < at:
-                blk.extend(bytes(at - len(blk)))  # a gap, as in put
-            blk[at : at + m * _UNIT] = _ivals(m).pack(*flat[4 * k : 4 * (k + m)])
+            self._writable(key, at)[at : at + m * _UNIT] = _ivals(m).pack(
+                *flat[4 * k : 4 * (k + m)]
+            )
             k += m
 
     def get(self, qid: int, off: int) -> IndexEntry:

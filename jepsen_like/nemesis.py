@@ -325,7 +325,7 @@ class Nemesis:
 
             self._heal = heal_clock
         elif kind == "corrupt":
-            targets = [self.rng.choice(self.c.voters)]
+            targets = [self.rng.choice(await self._corruptible())]
             before = await self.c.statuses()
             max_term = max((int(s.get("term", 0)) for s in before.values()), default=0)
             self._record("start", kind, targets)
@@ -520,6 +520,27 @@ class Nemesis:
         self.c.start(node)
 
     # -- corruption ---------------------------------------------------------------------------
+    async def _corruptible(self) -> list[int]:
+        """The voters the corrupt nemesis may damage: any, except in a
+        controller-mode group the only member of the master's SyncStateSet
+        (right after the group comes back from a power loss, the new master
+        is alone in it until its slaves catch up, about a second). The
+        controller elects only from that set, so damaging its only member
+        destroys the one copy it may elect: two faults (a group-wide power
+        loss, then rot in the survivor the controller trusts) that a CP group
+        survives only by an unclean election, which it refuses by design."""
+        if self.c.node_settings.get("replication") != "controller":
+            return list(self.c.voters)
+        st = await self.c.statuses()
+        for s in st.values():
+            if s.get("cmode_role") == "master":
+                sss = [int(x) for x in s.get("sync_state_set", [])]
+                if len(sss) == 1:
+                    others = [v for v in self.c.voters if v not in sss]
+                    if others:
+                        return others
+        return list(self.c.voters)
+
     async def _settle_corrupt(self, node: int, max_term: int, info: dict[str, Any]) -> None:
         deadline = time.monotonic() + 4.0
         while time.monotonic() < deadline and self.c.alive(node):

@@ -17,8 +17,9 @@ Checkers are compiled once per schema; they build a field's path only on
 error. A component may come with a *quick* predicate for its common shape
 (the plain message of a produce: :data:`http_api.openapi.QUICK`): items of
 an array it says yes to are not walked, so the predicate must say yes only
-to values the schema accepts. Big arrays (a produce of many messages) are checked in slices with
-a yield to the event loop between them (:func:`check_body`).
+to values the schema accepts. Big arrays (a produce of many messages) are
+checked in slices with a yield to the event loop between them
+(:func:`check_body`).
 """
 
 from __future__ import annotations

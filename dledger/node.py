@@ -137,6 +137,9 @@ Consistency = Literal["committed", "linearizable"]
 # Catch-up ticks beyond this many election timeouts have no further effect:
 # the lease has expired and every timer has fired at least once.
 _MAX_CATCH_UP_ELECTIONS = 4
+# Loop turns a leader gives the transport after a stall before it ticks: the
+# socket's callback, the connection's reader task, the delivery to the inbox.
+_READ_TURNS_AFTER_STALL = 3
 _STOP_TIMEOUT_S = 10.0
 # Log entries deleted per compaction step (one small write transaction each,
 # between Readies), so compacting behind a snapshot never stalls the loop:
@@ -287,6 +290,7 @@ class Node:
         self.counters: dict[str, int] = {
             "ticks_skipped": 0,
             "lease_suspended": 0,
+            "stalled_leader_reads_first": 0,  # a stalled leader stepped its inbox before ticking
             "lease_reads_direct": 0,  # linearizable reads the lease answered without a loop turn
             "slow_passes": 0,
             "decode_errors": 0,
@@ -1011,8 +1015,7 @@ class Node:
                 start = self._clock()
                 due = self._due_s()
                 self._pass_msgs = self._pass_ops = self._pass_persisted = self._pass_applied = 0
-                self._catch_up_ticks(r)
-                self._step_inputs(r)
+                await self._time_and_inputs(r)
                 more = r.has_ready()
                 while more:
                     rd = r.ready()
@@ -1046,8 +1049,7 @@ class Node:
                     self._maybe_start_snapshot(r)
                     # Time passed during the fsync: tick, then take what
                     # queued meanwhile, so the next Ready batches it.
-                    self._catch_up_ticks(r)
-                    self._step_inputs(r)
+                    await self._time_and_inputs(r)
                     # Asked once per Ready: nothing that runs during the
                     # sleep below touches the core (inputs wait in the inbox
                     # for _step_inputs), so the answer cannot change there.
@@ -1130,7 +1132,41 @@ class Node:
         k = r.ticks_until_due() if r is not None else 1
         return self._t0 + (self._ticks + k) * self.cfg.tick_ms / 1000
 
+    async def _time_and_inputs(self, r: RawNode) -> None:
+        """The ticks due and the queued inputs, in the order that is honest
+        for this node's role when the loop stood still for a while (a long
+        pass, a collection, CPU starvation) and both piled up.
+
+        A follower ticks first: a leader's message that waited in the inbox
+        counts as heard now, so its election timer never runs out earlier
+        than it would have in real time (the leader's lease relies on that).
+        A leader steps first: the acknowledgements that waited are its
+        followers' answers from during the stall, and ticking past a
+        check-quorum boundary before seeing them would depose a leader that
+        a quorum is following (a 300 ms stall, one election timeout, was
+        enough). Its lease is suspended before anything is stepped, so no
+        acknowledgement of a round sent before the stall renews it. After a
+        stall inside the loop the answers may still be in the sockets (the
+        transport reads them on the loop too): a stalled leader gives the
+        loop a few turns first (socket callback, reader task, delivery)."""
+        if r.role is Role.LEADER:
+            if self._stall_s(self._clock()) > self._lease_margin_s:
+                for _ in range(_READ_TURNS_AFTER_STALL):
+                    await asyncio.sleep(0)
+                self.counters["stalled_leader_reads_first"] += 1
+            now = self._note_stall(r)
+            self._step_inputs(r)
+            self._tick_to(r, now)
+        else:
+            self._catch_up_ticks(r)
+            self._step_inputs(r)
+
     def _catch_up_ticks(self, r: RawNode) -> None:
+        self._tick_to(r, self._note_stall(r))
+
+    def _note_stall(self, r: RawNode) -> float:
+        """Suspend the lease if the ticks stood still beyond its safety
+        margin; returns the time the ticks are then due for."""
         now = self._clock()
         stall = self._stall_s(now)
         self._last_catch_up_s = now
@@ -1142,6 +1178,9 @@ class Node:
             # is acknowledged (reads fall back to ReadIndex meanwhile).
             r.suspend_lease()
             self.counters["lease_suspended"] += 1
+        return now
+
+    def _tick_to(self, r: RawNode, now: float) -> None:
         due = self._tick_at(now)
         n = due - self._ticks
         if n <= 0:

@@ -7,8 +7,11 @@ import dataclasses
 import time
 
 from dledger.config import NodeConfig
+from dledger.core.raft import RawNode
+from dledger.core.types import Role
 from dledger.node import FAULT_LEASE_STALE_CLOCK, Node
 from dledger.runtime import NodeEnv, open_lmdb_storage, to_thread
+from tests.unit.raft_harness import E, Network
 
 
 def _cfg(tmp: str = "/tmp/unused") -> NodeConfig:
@@ -175,3 +178,73 @@ def test_heartbeat_answers_wait_for_the_leaders_next_wake_up() -> None:
     core.transferee = 0
     core.role = Role.FOLLOWER
     assert deliver(hb)
+
+
+# -- a stall with answers waiting: the order of ticks and inputs --------------------------------
+
+
+def _leader_with_answers_waiting() -> tuple[Node, _Clock, RawNode]:
+    """A real leader core (1 of 3) just past a check-quorum boundary (its
+    followers' activity flags reset), whose heartbeat round the followers
+    answered; the answers wait in the node's inbox, as they do when the
+    loop stalls right after sending the round."""
+    net = Network.of((1, 2, 3))
+    net.elect(1)
+    leader = net.nodes[1]
+    while leader._election_elapsed != E - 1:
+        leader.tick()
+        net.deliver_all()
+    leader.tick()  # the boundary: the flags are reset, a round leaves
+    assert leader._election_elapsed == 0
+    round_ = [m for m in net.take() if m.to != 1]
+    assert round_
+    for m in round_:
+        net.nodes[m.to].step(m)
+    answers = [m for m in net.take() if m.to == 1]
+    assert {m.frm for m in answers} == {2, 3}
+    node, clock = _node()
+    node._inbox.extend(answers)
+    return node, clock, leader
+
+
+async def test_a_stalled_leader_steps_its_followers_answers_before_ticking() -> None:
+    """A leader whose loop stood still for just over one election timeout
+    (CPU starvation, a long collection) with its followers' answers
+    waiting: ticking first crosses the check-quorum boundary with no answer
+    counted, and the leader deposes itself although a quorum follows it
+    (seen as a 504 in a benchmark with no fault at all). Stepping the
+    answers first keeps it leading; the lease is suspended all the same."""
+    node, clock, leader = _leader_with_answers_waiting()
+    clock.now += (E + 1) * 0.010  # one boundary crossed, not two
+    await node._time_and_inputs(leader)
+    assert leader.role is Role.LEADER, leader.status()
+    assert node.counters["lease_suspended"] == 1
+    assert node.counters["stalled_leader_reads_first"] == 1
+    assert not node._inbox
+
+    # The order this replaces: the same stall deposes the leader.
+    node, clock, leader = _leader_with_answers_waiting()
+    clock.now += (E + 1) * 0.010
+    node._catch_up_ticks(leader)
+    node._step_inputs(leader)
+    assert leader.role is Role.FOLLOWER
+
+
+async def test_a_stalled_follower_ticks_before_it_hears_the_leader() -> None:
+    """A follower counts a leader's message that waited out a stall as
+    heard when it is stepped, after the stall's ticks: its election timer
+    restarts at the real time, never earlier (the leader's lease relies on
+    the followers' timers not running out before it does)."""
+    net = Network.of((1, 2, 3))
+    net.elect(1)
+    net.nodes[1].tick()
+    beat = [m for m in net.take() if m.to == 2]
+    assert beat
+    follower = net.nodes[2]
+    node, clock = _node()
+    node._inbox.extend(beat)
+    clock.now += 5 * 0.010  # a stall shorter than any election timeout
+    await node._time_and_inputs(follower)
+    assert follower.role is Role.FOLLOWER
+    assert follower._election_elapsed == 0
+    assert node.counters["stalled_leader_reads_first"] == 0

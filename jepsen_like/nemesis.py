@@ -71,6 +71,7 @@ Kinds and shapes (targets are voters unless said otherwise):
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import signal
 import time
@@ -173,6 +174,19 @@ def format_schedule(schedule: list[tuple[str, str | None]], kinds: list[str]) ->
     steps = " ".join(f"{i}.{k}:{s or '*'}" for i, (k, s) in enumerate(schedule, 1))
     rr = ",".join(kinds) if kinds else "nothing"
     return f"{steps or '(none)'}; then round robin over {rr}"
+
+
+def set_faked_offset(path: Path, offset: str) -> None:
+    """Point a node's faked wall clock (libfaketime's
+    ``FAKETIME_TIMESTAMP_FILE``) at ``offset``, atomically: a new file
+    renamed over the old one. Rewriting the file in place leaves it empty
+    for an instant, and libfaketime (0.9.11 on, and any version on its
+    first read) parses an empty read as a timestamp, fails and calls
+    ``exit(1)`` inside the node: an "unexpected exit" the harness blamed on
+    the node (seen once in CI, in a strobe)."""
+    tmp = path.with_name(path.name + ".new")
+    tmp.write_text(offset + "\n")
+    os.replace(tmp, path)
 
 
 class Nemesis:
@@ -461,7 +475,7 @@ class Nemesis:
             return env
         # strobe and step: the wall clock follows a file the nemesis rewrites.
         path = self.c.root / f"faketime-{node}.txt"
-        path.write_text("+0s\n")
+        set_faked_offset(path, "+0s")
         self._strobe_file = path
         env.update(
             FAKETIME_TIMESTAMP_FILE=str(path),
@@ -475,7 +489,7 @@ class Nemesis:
         assert self._strobe_file is not None
         await asyncio.sleep(1.5)
         step = self.rng.choice([-1, 1]) * self.rng.randint(30, 300)
-        self._strobe_file.write_text(f"{step:+d}s\n")
+        set_faked_offset(self._strobe_file, f"{step:+d}s")
         self.log(f"clock step {step:+d} s on the wall clock")
 
     async def _strobe_loop(self) -> None:
@@ -485,7 +499,7 @@ class Nemesis:
         while True:
             await asyncio.sleep(0.5)
             k += 1
-            self._strobe_file.write_text(offsets[k % len(offsets)] + "\n")
+            set_faked_offset(self._strobe_file, offsets[k % len(offsets)])
 
     # -- disk errors -----------------------------------------------------------------------
     async def _settle_disk(self, node: int, info: dict[str, Any]) -> None:

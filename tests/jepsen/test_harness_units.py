@@ -16,7 +16,7 @@ from jepsen_like import net
 from jepsen_like.checkers import check_history
 from jepsen_like.control import Cluster
 from jepsen_like.history import Writer, parse_history
-from jepsen_like.nemesis import Nemesis
+from jepsen_like.nemesis import Nemesis, set_faked_offset
 from jepsen_like.report import html_report
 from jepsen_like.workload import Reply, read_outcome, write_outcome
 
@@ -244,3 +244,32 @@ async def test_a_controller_mode_replica_is_wiped_only_once_out_of_the_sync_stat
     assert c.polls == 4
     assert info["rebuild_sync_state_set"] == [1, 3] and info["rebuild_master"] == 1
     assert info["rebuilt"] and info["caught_up"] and info["rebuild_commit_floor"] == 100
+
+
+def test_a_faked_clock_offset_is_never_seen_empty(tmp_path: Path) -> None:
+    """libfaketime re-reads FAKETIME_TIMESTAMP_FILE while the node runs; an
+    empty read (the file truncated, not yet written) is parsed as a
+    timestamp, fails and exits the node (libfaketime 0.9.11 on). A reader
+    racing 3,000 rewrites must see a whole offset every time."""
+    import threading
+
+    path = tmp_path / "faketime-1.txt"
+    set_faked_offset(path, "+0s")
+    seen: set[str] = set()
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            with open(path) as f:  # a new open each time, as libfaketime does
+                seen.add(f.read())
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        for k in range(3000):
+            set_faked_offset(path, f"+{k % 7}s" if k % 2 else f"-{k % 5}s")
+    finally:
+        done.set()
+        t.join()
+    assert seen and all(re.fullmatch(r"[+-]\d+s\n", s) for s in seen), sorted(seen)[:5]
+    assert not list(tmp_path.glob("*.new"))

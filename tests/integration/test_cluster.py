@@ -215,6 +215,9 @@ def test_learner_gets_every_entry_and_is_never_counted(
     learner = voters + 1
     voter_ids = list(range(1, voters + 1))
     lead = c.wait_leader()
+    # A leader can be elected before the learner's HTTP port answers (the
+    # voters do not wait for it): wait for its status, then check it.
+    c.wait_for(lambda: c.status(learner) is not None, 30, f"learner {learner} to answer")
     st = c.status(learner)
     assert st is not None and st["role"] == "learner"
     assert (c.status(lead) or {})["config"] == {"voters": voter_ids, "learners": [learner]}

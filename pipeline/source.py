@@ -365,8 +365,53 @@ def _from_server(topic: str, queue: int, page: pa.RecordBatch) -> pa.RecordBatch
     return pa.RecordBatch.from_arrays(cols, schema=ARROW_SCHEMA)
 
 
-def read_partition(opts: SourceOptions, p: RangePartition) -> Iterator[pa.RecordBatch]:
-    """Executor side: exactly the messages of ``p`` as Arrow batches."""
+class Projection:
+    """The columns a schema given to the reader asks for
+    (``spark.read.format("dledger").schema("queue int, queue_offset long")``):
+    a subset of :data:`SCHEMA` in any order, each with its type. Spark's
+    Python data sources get no column pruning from the optimizer, so every
+    column a batch carries is converted on the JVM side even when the query
+    never reads it (``count()`` reads none); naming only the columns a query
+    needs is how a user prunes them. None of it: all of :data:`SCHEMA`."""
+
+    def __init__(self, schema: StructType) -> None:
+        ours = {f.name: f for f in SCHEMA.fields}
+        seen: set[str] = set()
+        for f in schema.fields:
+            mine = ours.get(f.name)
+            if mine is None:
+                raise OptionError(
+                    f"schema: no column {f.name!r} in the dledger source; "
+                    f"its columns are {', '.join(ours)}"
+                )
+            if f.name in seen:
+                raise OptionError(f"schema: column {f.name!r} is named twice")
+            seen.add(f.name)
+            if f.dataType != mine.dataType:
+                raise OptionError(
+                    f"schema: column {f.name!r} is {mine.dataType.simpleString()}, "
+                    f"not {f.dataType.simpleString()}"
+                )
+            if mine.nullable and not f.nullable:
+                raise OptionError(f"schema: column {f.name!r} can be null: declare it nullable")
+        if not schema.fields:
+            raise OptionError("schema: name at least one column")
+        self.names = [f.name for f in schema.fields]
+        self.all = self.names == SCHEMA.names
+        self.arrow = ARROW_SCHEMA if self.all else to_arrow_schema(schema, timezone="UTC")
+
+    def of(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """``batch`` (of :data:`ARROW_SCHEMA`) with the asked columns only."""
+        if self.all:
+            return batch
+        return pa.RecordBatch.from_arrays(batch.select(self.names).columns, schema=self.arrow)
+
+
+def read_partition(
+    opts: SourceOptions, p: RangePartition, proj: Projection | None = None
+) -> Iterator[pa.RecordBatch]:
+    """Executor side: exactly the messages of ``p`` as Arrow batches (the
+    columns of ``proj`` only, when given)."""
     r = QueueRange(p.topic, p.queue, p.start, p.end)
     with NodeClient(
         p.endpoints or opts.endpoints,
@@ -382,9 +427,10 @@ def read_partition(opts: SourceOptions, p: RangePartition) -> Iterator[pa.Record
             arrow=opts.fetch_arrow,
         ):
             if isinstance(page, pa.RecordBatch):
-                yield _from_server(r.topic, r.queue, page)
+                batch = _from_server(r.topic, r.queue, page)
             else:
-                yield _to_arrow(r.topic, r.queue, page)
+                batch = _to_arrow(r.topic, r.queue, page)
+            yield batch if proj is None else proj.of(batch)
 
 
 # ----------------------------------------------------------------------------- Spark API
@@ -402,15 +448,16 @@ class DLedgerDataSource(DataSource):
         return SCHEMA
 
     def reader(self, schema: StructType) -> DLedgerBatchReader:
-        return DLedgerBatchReader(SourceOptions.parse(self.options, streaming=False))
+        return DLedgerBatchReader(SourceOptions.parse(self.options, streaming=False), schema)
 
     def streamReader(self, schema: StructType) -> DLedgerStreamReader:
-        return DLedgerStreamReader(SourceOptions.parse(self.options, streaming=True))
+        return DLedgerStreamReader(SourceOptions.parse(self.options, streaming=True), schema)
 
 
 class DLedgerBatchReader(DataSourceReader):
-    def __init__(self, opts: SourceOptions) -> None:
+    def __init__(self, opts: SourceOptions, schema: StructType = SCHEMA) -> None:
         self.opts = opts
+        self.proj = Projection(schema)
 
     def partitions(self) -> list[RangePartition]:
         infos, owners = plan_infos(self.opts)
@@ -428,12 +475,13 @@ class DLedgerBatchReader(DataSourceReader):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, RangePartition)
-        return read_partition(self.opts, partition)
+        return read_partition(self.opts, partition, self.proj)
 
 
 class DLedgerStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    def __init__(self, opts: SourceOptions) -> None:
+    def __init__(self, opts: SourceOptions, schema: StructType = SCHEMA) -> None:
         self.opts = opts
+        self.proj = Projection(schema)
         # Trigger.AvailableNow: the latest offsets when the query began (in memory
         # only: a restarted AvailableNow query takes a new target, as Kafka's does)
         self._target: dict[QueueKey, int] | None = None
@@ -490,7 +538,7 @@ class DLedgerStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, RangePartition)
-        return read_partition(self.opts, partition)
+        return read_partition(self.opts, partition, self.proj)
 
     def commit(self, end: dict[str, dict[str, int]]) -> None:
         """Nothing to do: the broker keeps committed messages until retention."""

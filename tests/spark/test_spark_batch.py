@@ -172,3 +172,33 @@ def test_arrow_and_json_pages_give_identical_dataframes(
     assert small == by_arrow
     with pytest.raises(PySparkException, match="fetchFormat"):
         _reader(spark, cluster, "formats", fetchFormat="xml").count()
+
+
+def test_a_schema_with_fewer_columns_reads_just_those(
+    spark: SparkSession, cluster: ApiCluster
+) -> None:
+    """``.schema(...)`` naming some of the source's columns (Spark gives a
+    Python data source no column pruning): the same rows, those columns,
+    in that order; a column the source has not fails the query clearly."""
+    cl = client(cluster)
+    cl.create_topic("narrow", 2)
+    produce(cl, "narrow", 700, batch=350)
+    eps = ",".join(endpoints(cluster))
+
+    def load(schema: str | None):  # type: ignore[no-untyped-def]
+        r = spark.read.format("dledger")
+        if schema is not None:
+            r = r.schema(schema)
+        return r.option("endpoints", eps).option("topic", "narrow").load()
+
+    full = load(None)
+    narrow = load("value binary, queue int, queue_offset long")
+    assert narrow.columns == ["value", "queue", "queue_offset"]
+    assert narrow.count() == full.count() == 700
+    order = ["queue", "queue_offset"]
+    assert (
+        narrow.orderBy(order).collect()
+        == full.select("value", "queue", "queue_offset").orderBy(order).collect()
+    )
+    with pytest.raises(PySparkException, match="no column 'partition'"):
+        load("partition int").collect()

@@ -157,3 +157,51 @@ def test_read_range_falls_back_to_json_and_checks_arrow_offsets() -> None:
     assert not o.fetch_arrow and o.fetch_max_messages == 1000
     o = SourceOptions.parse({"endpoints": "h:1", "topic": "t"}, streaming=False)
     assert o.fetch_arrow and o.fetch_max_messages == 10_000
+
+
+def test_a_schema_given_to_the_reader_projects_and_is_checked() -> None:
+    """The columns a user's schema names come out, in its order, with its
+    field flags; a column the source has not, one of another type, one
+    named twice, or a nullable one declared NOT NULL is a clear error."""
+    import pyarrow as pa
+    from pyspark.sql.types import BinaryType, IntegerType, LongType, StringType, StructType
+    from pyspark.sql.types import StructField as F
+
+    from pipeline.source import ARROW_SCHEMA, SCHEMA, Projection
+
+    def ddl(*fields: F) -> StructType:
+        return StructType(list(fields))
+
+    full = pa.RecordBatch.from_pylist(
+        [
+            {
+                "topic": "t",
+                "queue": 1,
+                "queue_offset": 7,
+                "commit_offset": 900,
+                "msg_id": "X",
+                "key": None,
+                "tags": "a",
+                "properties": [("p", "q")],
+                "value": b"v",
+                "born_timestamp": None,
+                "store_timestamp": None,
+            }
+        ],
+        schema=ARROW_SCHEMA,
+    )
+    assert Projection(SCHEMA).of(full) is full
+    proj = Projection(ddl(F("value", BinaryType()), F("queue_offset", LongType())))
+    got = proj.of(full)
+    assert got.schema.names == ["value", "queue_offset"]
+    assert got.to_pylist() == [{"value": b"v", "queue_offset": 7}]
+    for schema, needle in [
+        (ddl(F("offset", LongType())), "no column 'offset'"),
+        (ddl(F("queue", LongType())), "queue' is int, not bigint"),
+        (ddl(F("queue", IntegerType()), F("queue", IntegerType())), "named twice"),
+        (ddl(F("key", StringType(), False)), "can be null"),
+        (ddl(), "at least one column"),
+    ]:
+        with pytest.raises(OptionError, match=needle):
+            Projection(schema)
+    assert Projection(ddl(F("queue", IntegerType(), False))).names == ["queue"]

@@ -47,7 +47,7 @@ import dataclasses
 import itertools
 import logging
 import urllib.parse
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -334,35 +334,41 @@ def _to_arrow(topic: str, queue: int, page: list[dict[str, Any]]) -> pa.RecordBa
 _NO_KEY = pa.scalar(None, pa.string())
 
 
-def _from_server(topic: str, queue: int, page: pa.RecordBatch) -> pa.RecordBatch:
+def _from_server(
+    topic: str, queue: int, page: pa.RecordBatch, proj: Projection | None = None
+) -> pa.RecordBatch:
     """A page the node sent as Arrow (:mod:`http_api.arrow`'s columns) in
-    :data:`ARROW_SCHEMA`, column by column: the rows :func:`_to_arrow` makes
-    of the same page sent as JSON."""
+    :data:`ARROW_SCHEMA` (or ``proj``'s columns: only those are built),
+    column by column: the rows :func:`_to_arrow` makes of the same page sent
+    as JSON."""
     n = page.num_rows
-    keys = page.column("keys")
-    if len(keys.flatten()) == 0:
-        key = pa.nulls(n, pa.string())
-    else:
-        key = pc.if_else(
+    ts = ARROW_SCHEMA.field("born_timestamp").type
+    props_type = ARROW_SCHEMA.field("properties").type
+
+    def key() -> pa.Array:
+        keys = page.column("keys")
+        if len(keys.flatten()) == 0:
+            return pa.nulls(n, pa.string())
+        return pc.if_else(
             pc.equal(pc.list_value_length(keys), 0), _NO_KEY, pc.binary_join(keys, " ")
         )
-    ts = ARROW_SCHEMA.field("born_timestamp").type
-    props = page.column("properties")
-    props_type = ARROW_SCHEMA.field("properties").type
-    cols = [
-        page.column("topic"),
-        page.column("queue"),
-        page.column("queue_offset"),
-        page.column("commit_offset"),
-        page.column("msg_id"),
-        key,
-        page.column("tags"),
-        props if props.type == props_type else props.cast(props_type),
-        page.column("value"),
-        page.column("born_ts_ms").cast(ts),
-        page.column("store_ts_ms").cast(ts),
-    ]
-    return pa.RecordBatch.from_arrays(cols, schema=ARROW_SCHEMA)
+
+    def props() -> pa.Array:
+        p = page.column("properties")
+        return p if p.type == props_type else p.cast(props_type)
+
+    derived: dict[str, Callable[[], pa.Array]] = {
+        "key": key,
+        "properties": props,
+        "born_timestamp": lambda: page.column("born_ts_ms").cast(ts),
+        "store_timestamp": lambda: page.column("store_ts_ms").cast(ts),
+    }
+    if proj is None:
+        names, schema = SCHEMA.names, ARROW_SCHEMA
+    else:
+        names, schema = proj.names, proj.arrow
+    cols = [derived[c]() if c in derived else page.column(c) for c in names]
+    return pa.RecordBatch.from_arrays(cols, schema=schema)
 
 
 class Projection:
@@ -408,10 +414,10 @@ class Projection:
 
 
 def read_partition(
-    opts: SourceOptions, p: RangePartition, proj: Projection | None = None
+    opts: SourceOptions, p: RangePartition, proj: Projection
 ) -> Iterator[pa.RecordBatch]:
-    """Executor side: exactly the messages of ``p`` as Arrow batches (the
-    columns of ``proj`` only, when given)."""
+    """Executor side: exactly the messages of ``p`` as Arrow batches of
+    ``proj``'s columns."""
     r = QueueRange(p.topic, p.queue, p.start, p.end)
     with NodeClient(
         p.endpoints or opts.endpoints,
@@ -427,10 +433,9 @@ def read_partition(
             arrow=opts.fetch_arrow,
         ):
             if isinstance(page, pa.RecordBatch):
-                batch = _from_server(r.topic, r.queue, page)
+                yield _from_server(r.topic, r.queue, page, proj)
             else:
-                batch = _to_arrow(r.topic, r.queue, page)
-            yield batch if proj is None else proj.of(batch)
+                yield proj.of(_to_arrow(r.topic, r.queue, page))
 
 
 # ----------------------------------------------------------------------------- Spark API

@@ -1,7 +1,10 @@
 """HTTP produce: batched (100 x 100 B per request) and one message per
 request over many keep-alive connections, against a 3-voter ``sync`` cluster.
 
-For each shape: the saturation rate from a closed-loop run (repeated), then
+Requests carry the binary produce body (``application/vnd.dledger.batch``,
+what the Python client sends); the saturation of the same batch as JSON is
+measured beside it. For each shape: the saturation rate from a closed-loop
+run (repeated), then
 an open-loop sweep at fixed offered rates (fractions of that saturation
 rate) with latency from the intended send time -> the latency-throughput
 curve; the half-saturation point is repeated for its p99.
@@ -13,10 +16,11 @@ import asyncio
 from typing import Any
 
 from benchmarks.bench_core import peer_key
-from benchmarks.common import cluster, produce_body, produce_url, set_retention
-from benchmarks.loadgen import closed_loop, open_loop
+from benchmarks.common import cluster, produce_batch, produce_body, produce_url, set_retention
+from benchmarks.loadgen import JSON, closed_loop, open_loop
 from benchmarks.profiling import profile_leader
 from benchmarks.registry import BenchResult, Context, Figure, Series, benchmark
+from broker_adapter.codec import BATCH_CONTENT_TYPE
 
 SHAPES: dict[str, dict[str, int]] = {
     # msgs per request, closed-loop concurrency, open-loop connection pool
@@ -48,10 +52,15 @@ def _snapshot_point(
         addr = lc.http(leader)
         keep = max(1, entries * msgs // 4) * RECORD_BYTES
         set_retention(lc, addr, keep)
-        url, body = produce_url(addr), produce_body(msgs, PAYLOAD)
+        url, body = produce_url(addr), produce_batch(msgs, PAYLOAD)
         asyncio.run(
             closed_loop(
-                url, body, concurrency=sh["concurrency"], duration_s=point_s, msgs_per_req=msgs
+                url,
+                body,
+                concurrency=sh["concurrency"],
+                duration_s=point_s,
+                msgs_per_req=msgs,
+                content_type=BATCH_CONTENT_TYPE,
             )
         )
         before = {nid: lc.status(nid, timeout_s=5) or {} for nid in lc.ids()}
@@ -63,6 +72,7 @@ def _snapshot_point(
                 duration_s=point_s,
                 msgs_per_req=msgs,
                 connections=sh["connections"],
+                content_type=BATCH_CONTENT_TYPE,
             )
         )
         after = {nid: lc.status(nid, timeout_s=5) or {} for nid in lc.ids()}
@@ -97,32 +107,40 @@ def run_http_produce(ctx: Context) -> BenchResult:
         url = produce_url(lc.http(leader))
         for shape, sh in SHAPES.items():
             msgs = sh["msgs"]
-            body = produce_body(msgs, PAYLOAD)
+            body = produce_batch(msgs, PAYLOAD)
             cfg = {"voters": 3, "flush": "sync", "payload_bytes": PAYLOAD, "msgs_per_request": msgs}
             ctx.log(f"http_produce {shape}: warm-up")
             asyncio.run(
                 closed_loop(
-                    url, body, concurrency=sh["concurrency"], duration_s=1.0, msgs_per_req=msgs
+                    url,
+                    body,
+                    concurrency=sh["concurrency"],
+                    duration_s=1.0,
+                    msgs_per_req=msgs,
+                    content_type=BATCH_CONTENT_TYPE,
                 )
             )
-            sats = []
-            for k in range(repeats):
-                r = asyncio.run(
-                    closed_loop(
-                        url,
-                        body,
-                        concurrency=sh["concurrency"],
-                        duration_s=sat_s,
-                        msgs_per_req=msgs,
+            sats: list[dict[str, Any]] = []
+            jsons: list[dict[str, Any]] = []
+            for k in range(repeats):  # binary and JSON bodies, interleaved
+                for kind, out in (("binary", sats), ("JSON", jsons)):
+                    r = asyncio.run(
+                        closed_loop(
+                            url,
+                            body if kind == "binary" else produce_body(msgs, PAYLOAD),
+                            concurrency=sh["concurrency"],
+                            duration_s=sat_s,
+                            msgs_per_req=msgs,
+                            content_type=BATCH_CONTENT_TYPE if kind == "binary" else JSON,
+                        )
                     )
-                )
-                sats.append(r)
-                ctx.log(
-                    f"  saturation {k + 1}/{repeats}: {r['msg_per_s']:,.0f} msg/s "
-                    f"({r['req_per_s']:,.0f} req/s, {sh['concurrency']} in flight), "
-                    f"p50 {r['latency_ms']['p50']:.1f} ms, p99 {r['latency_ms']['p99']:.1f} ms, "
-                    f"errors {r['errors']}"
-                )
+                    out.append(r)
+                    ctx.log(
+                        f"  saturation {k + 1}/{repeats}, {kind}: {r['msg_per_s']:,.0f} msg/s "
+                        f"({r['req_per_s']:,.0f} req/s, {sh['concurrency']} in flight), "
+                        f"p50 {r['latency_ms']['p50']:.1f} ms, "
+                        f"p99 {r['latency_ms']['p99']:.1f} ms, errors {r['errors']}"
+                    )
             peak_req = sorted(r["req_per_s"] for r in sats)[len(sats) // 2]
             points: list[dict[str, Any]] = []
             for f in fractions:
@@ -137,6 +155,7 @@ def run_http_produce(ctx: Context) -> BenchResult:
                             duration_s=point_s,
                             msgs_per_req=msgs,
                             connections=sh["connections"],
+                            content_type=BATCH_CONTENT_TYPE,
                         )
                     )
                     p["fraction"] = f
@@ -218,6 +237,27 @@ def run_http_produce(ctx: Context) -> BenchResult:
             )
             res.figures.append(
                 Figure.of(
+                    f"http_produce.{shape}.json_msg_per_s",
+                    f"HTTP produce {shape} ({msgs} msg/request) with a JSON body: saturation "
+                    "(the binary body's figure is the one above)",
+                    "msg/s",
+                    [r["msg_per_s"] for r in jsons],
+                    config={**cfg, "concurrency": sh["concurrency"], "body": "JSON"},
+                )
+            )
+            ratios = [b["msg_per_s"] / j["msg_per_s"] for b, j in zip(sats, jsons, strict=True)
+                      if j["msg_per_s"]]  # fmt: skip
+            res.figures.append(
+                Figure.of(
+                    f"http_produce.{shape}.binary_over_json",
+                    f"HTTP produce {shape}: binary body's saturation over JSON's, per repeat",
+                    "x",
+                    ratios,
+                    config=cfg,
+                )
+            )
+            res.figures.append(
+                Figure.of(
                     f"http_produce.{shape}.closed_p99_ms",
                     f"HTTP produce {shape}: p99 at saturation (closed loop)",
                     "ms",
@@ -268,7 +308,7 @@ def run_http_produce(ctx: Context) -> BenchResult:
             prof: dict[str, Any] = {}
             for shape, sh in SHAPES.items():
                 ctx.log(f"http_produce {shape}: cProfile of the leader under closed-loop load")
-                body = produce_body(sh["msgs"], PAYLOAD)
+                body = produce_batch(sh["msgs"], PAYLOAD)
 
                 def load(addr: str, body: bytes = body, sh: dict[str, int] = sh) -> None:
                     asyncio.run(
@@ -278,6 +318,7 @@ def run_http_produce(ctx: Context) -> BenchResult:
                             concurrency=sh["concurrency"],
                             duration_s=3.0 if ctx.quick else 6.0,
                             msgs_per_req=sh["msgs"],
+                            content_type=BATCH_CONTENT_TYPE,
                         )
                     )
 

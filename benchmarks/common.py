@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 
 from benchmarks.registry import Context
+from broker_adapter import codec
 from dledger.cluster import HTTP_ERRORS, LocalCluster, http_request
 
 TOPIC = "bench"
@@ -160,6 +161,17 @@ def produce_body(n_msgs: int, size: int, queue: int | None = None) -> bytes:
             m["queue"] = queue
         msgs.append(m)
     return orjson.dumps({"messages": msgs})
+
+
+def produce_batch(n_msgs: int, size: int, queue: int | None = None) -> bytes:
+    """The same batch as :func:`produce_body` in the binary produce body
+    (``BATCH_CONTENT_TYPE``, what the Python client sends)."""
+    born = int(time.time() * 1000)
+    rows: list[codec.MessageRow] = [
+        ((f"{i:08d}" + "m" * size)[:size].encode(), "", (), (), queue, None, born)
+        for i in range(n_msgs)
+    ]
+    return codec.encode_batch(rows)
 
 
 def produce_url(addr: str, topic: str = TOPIC) -> str:

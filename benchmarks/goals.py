@@ -278,6 +278,20 @@ def _peer_goals(figs: dict[str, Figure]) -> list[dict[str, Any]]:
             else "not measured in this run",
         )
     )
+    for shape in ("batched", "single"):
+        bj = figs.get(f"http_produce.{shape}.binary_over_json")
+        out.append(
+            _goal(
+                f"binary produce body over JSON, {shape}: saturation (information, the lever)",
+                "no target",
+                bj.median if bj and bj.n else None,
+                "x",
+                None,
+                f"http_produce.{shape}.binary_over_json; repeats {bj.min:.2f}-{bj.max:.2f}x"
+                if bj and bj.n
+                else "not measured in this run",
+            )
+        )
     n = "vs_nats"
     nf = figs.get(f"{n}.nats.batched.msg_per_s")
     durability = str(nf.config.get("durability", "")) if nf else ""

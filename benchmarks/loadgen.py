@@ -25,13 +25,15 @@ import aiohttp
 
 from benchmarks.stats import summarize
 
+JSON = "application/json"
 
-def _session(connections: int, timeout_s: float) -> aiohttp.ClientSession:
+
+def _session(connections: int, timeout_s: float, content_type: str = JSON) -> aiohttp.ClientSession:
     conn = aiohttp.TCPConnector(limit=connections, limit_per_host=connections, force_close=False)
     return aiohttp.ClientSession(
         connector=conn,
         timeout=aiohttp.ClientTimeout(total=timeout_s),
-        headers={"content-type": "application/json"},
+        headers={"content-type": content_type},
     )
 
 
@@ -64,13 +66,14 @@ async def closed_loop(
     msgs_per_req: int,
     timeout_s: float = 10.0,
     total_requests: int | None = None,
+    content_type: str = JSON,
 ) -> dict[str, Any]:
     """``total_requests``: stop after that many successful requests, or after
     ``duration_s`` (a time limit then) whichever comes first."""
     lat: list[float] = []
     claimed = 0
     errors: dict[str, int] = {}
-    async with _session(concurrency, timeout_s) as s:
+    async with _session(concurrency, timeout_s, content_type) as s:
         stop_at = time.perf_counter() + duration_s
 
         async def worker() -> None:
@@ -114,6 +117,7 @@ async def open_loop(
     connections: int,
     timeout_s: float = 10.0,
     max_outstanding: int = 20_000,
+    content_type: str = JSON,
 ) -> dict[str, Any]:
     """Offered ``rate`` requests/s for ``duration_s``; see the module docstring.
 
@@ -125,7 +129,7 @@ async def open_loop(
     n_total = max(1, int(rate * duration_s))
     outstanding = 0
     last_done = 0.0
-    async with _session(connections, timeout_s) as s:
+    async with _session(connections, timeout_s, content_type) as s:
         tasks: set[asyncio.Task[None]] = set()
 
         async def one(due: float) -> None:

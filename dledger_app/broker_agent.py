@@ -48,7 +48,13 @@ from dledger.http_auth import RouteRole
 from dledger.node import Node
 from dledger_app.groups import GroupFile
 from http_api.client import ApiError, AsyncClient, UnavailableError
-from http_api.errors import envelope, json_response
+from http_api.errors import (
+    BATCH_REFUSED,
+    UnsupportedMediaType,
+    envelope,
+    error_response,
+    json_response,
+)
 from http_api.guard import JSON_BODY
 
 logger = logging.getLogger(__name__)
@@ -304,6 +310,8 @@ class GroupAgent:
         return json_response(res, 201 if request.method == "POST" else 200)
 
     def _route_produce(self, request: web.Request, topic: str) -> web.Response | None:
+        if request.content_type == broker_codec.BATCH_CONTENT_TYPE:
+            return error_response(UnsupportedMediaType(BATCH_REFUSED))
         body = request.get(JSON_BODY)
         return self.route_produce_body(topic, body) if isinstance(body, dict) else None
 

@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 import orjson
 from aiohttp import web
 
+from broker_adapter.codec import BATCH_CONTENT_TYPE
 from http_api.client import Ack, ApiError, OutcomeUnknownError, OutMessage
 from http_api.errors import envelope, json_response
 from http_api.routing import RoutedProducer, RoutingClient
@@ -200,6 +201,13 @@ class Proxy:
     # -- produce ----------------------------------------------------------------------
     async def produce(self, request: web.Request) -> web.Response:
         topic = request.match_info["topic"]
+        if request.content_type == BATCH_CONTENT_TYPE:
+            return envelope(
+                415,
+                "UNSUPPORTED_MEDIA_TYPE",
+                "the proxy takes JSON produce bodies only (it routes each message "
+                "by queue); send application/json",
+            )
         body = await self._json(request)
         for f in ("producer_id", "epoch", "sequence"):
             if f in body:

@@ -73,7 +73,14 @@ from dledger.http_auth import RouteRole
 from dledger.metrics import Histogram, labels_text, render_histogram
 from dledger.node import Node, NodeStopped, OutcomeUnknown
 from http_api import arrow
-from http_api.errors import LeaderNotReady, envelope, error_response, json_response
+from http_api.errors import (
+    BATCH_REFUSED,
+    LeaderNotReady,
+    UnsupportedMediaType,
+    envelope,
+    error_response,
+    json_response,
+)
 from http_api.guard import GUARD_KEY, JSON_BODY, Guard
 from http_api.openapi import OPERATIONS, openapi_document
 from http_api.schema import YIELD_EVERY
@@ -339,6 +346,10 @@ class BrokerApi:
     # -- produce ----------------------------------------------------------------
     async def produce(self, request: web.Request) -> web.Response:
         topic = codec.check_name(request.match_info["topic"])
+        if request.content_type == codec.BATCH_CONTENT_TYPE:
+            raw = await request.read()  # read, inflated and capped by http_api.guard
+            answer = await self.produce_batch(topic, raw, self._timeout_s(request))
+            return json_response(answer)
         body = await self._body(request)
         return json_response(await self._produce(topic, body, self._timeout_s(request)))
 
@@ -350,13 +361,15 @@ class BrokerApi:
         raw: bytes,
         target: str,
         timeout_ms: int | None,
+        binary: bool = False,
     ) -> Answer:
         """A produce request the express lane took (:mod:`http_api.protocol`):
         the checks and answers of the route's middlewares and handler (the
         schema, the produce, the error envelope, the request metrics), without
         aiohttp's request and response objects. ``target`` is the request
         target as sent (the redirect of NOT_LEADER repeats it); ``timeout_ms``
-        its query parameter, checked by the lane; ``hooks``: what the
+        its query parameter, checked by the lane; ``binary``: the body is
+        ``application/vnd.dledger.batch``; ``hooks``: what the
         composition's middlewares do to a checked produce body, in their
         order (:data:`http_api.server.PRODUCE_HOOKS`). The answer is the
         success body, or the error response."""
@@ -364,6 +377,18 @@ class BrokerApi:
         status = 500
         self.express_answers += 1
         try:
+            if binary:
+                try:
+                    if hooks:  # a composition's hooks read JSON bodies only
+                        raise UnsupportedMediaType(BATCH_REFUSED)
+                    ms = self.node.cfg.request_timeout_ms if timeout_ms is None else timeout_ms
+                    answer = await self.produce_batch(topic, raw, ms / 1000)
+                except Exception as exc:
+                    resp = self._error_answer(exc, "POST", target)
+                    status = resp.status
+                    return resp
+                status = 200
+                return orjson.dumps(answer)
             try:
                 body = await guard.check_json(raw, PRODUCE_SCHEMA)
             except (DLedgerError, BrokerError) as exc:
@@ -403,10 +428,7 @@ class BrokerApi:
                 "producer_id and sequence go together (idempotent produce)",
                 field="sequence" if seq is None else "producer_id",
             )
-        self._require_leader()
-        auto = self.auto_create_queues
-        if not auto and not self.sm.broker.has_topic(topic):
-            self.sm.broker.topic(topic)  # raises UnknownTopic, before proposing
+        self._before_produce(topic)
         data = await encode_produce_stepwise(
             topic,
             msgs,
@@ -414,11 +436,70 @@ class BrokerApi:
             producer_id=pid or 0,
             epoch=epoch or 0,
             base_seq=-1 if seq is None else seq,
-            auto_create_queues=auto,
+            auto_create_queues=self.auto_create_queues,
             limits=self.limits,
         )
+        return await self._propose_produce(topic, data, timeout)
+
+    async def produce_batch(self, topic: str, raw: bytes, timeout: float) -> object:
+        """A binary produce body (``application/vnd.dledger.batch``, see
+        :mod:`broker_adapter.codec`): its records are checked (CRC, layout,
+        the JSON path's caps) in slices with a yield between them, and
+        proposed as they are. The answer is the JSON one."""
+        head = codec.batch_head(raw)
+        limits = self.limits
+        codec.check_produce(
+            topic, head.count, head.producer_id, head.epoch, head.sequence,
+            self.auto_create_queues, limits,
+        )  # fmt: skip
+        pos, props, done = codec.BATCH_HEAD_SIZE, 0, 0
+        while done < head.count:
+            n = min(YIELD_EVERY, head.count - done)
+            pos, seen = codec.check_batch_records(raw, pos, done, n, limits)
+            props += seen
+            done += n
+            if done < head.count:
+                await asyncio.sleep(0)
+        if pos != len(raw):
+            raise InvalidArgument(
+                f"{len(raw) - pos} bytes after the {head.count} records the head announces",
+                field="messages",
+            )
+        if props > self.node.cfg.max_batch_properties:
+            raise TooManyProperties(
+                f"{props} properties in this batch, at most "
+                f"{self.node.cfg.max_batch_properties} (max_batch_properties)",
+                "messages",
+            )
+        self._before_produce(topic)
+        data = codec.assemble_produce(
+            topic,
+            head.count,
+            [raw[codec.BATCH_HEAD_SIZE :]],
+            self._now_ms(),
+            producer_id=head.producer_id,
+            epoch=head.epoch,
+            base_seq=head.sequence,
+            auto_create_queues=self.auto_create_queues,
+            limits=limits,
+        )
+        return await self._propose_produce(topic, data, timeout)
+
+    def _before_produce(self, topic: str) -> None:
+        self._require_leader()
+        if not self.auto_create_queues and not self.sm.broker.has_topic(topic):
+            self.sm.broker.topic(topic)  # raises UnknownTopic, before proposing
+
+    async def _propose_produce(self, topic: str, data: bytes, timeout: float) -> object:
         if faults.on(faults.ACK_BEFORE_COMMIT):  # planted bug (dledger/faults.py), tests only
-            queues_asked = [m[4] for m in msgs]  # MessageRow: (..., queue, ...)
+            cmd = codec.decode_command(data).body
+            assert isinstance(cmd, codec.Produce)
+            queues_asked: list[int | None] = []
+            pos = cmd.records_start
+            for _ in range(cmd.count):
+                size, q, _shard, _tag = codec.record_header(data, pos)
+                queues_asked.append(None if q < 0 else q)
+                pos += size
             return faults.ack_before_commit(self.node, self.sm.broker, topic, queues_asked, data)
         res = await self._propose_within(timeout, data)
         assert isinstance(res, ProduceResult)

@@ -1,5 +1,7 @@
-"""Python clients for the /v1 API: :class:`Client` (sync, stdlib only) and
-:class:`AsyncClient` (aiohttp), with the same methods.
+"""Python clients for the /v1 API: :class:`Client` (sync, stdlib only but for the codec) and
+:class:`AsyncClient` (aiohttp), with the same methods. Produce bodies go
+in binary (the record layout of :mod:`broker_adapter.codec`, its only import
+from this project), or as JSON where a node takes JSON only.
 
 Both follow the leader: a ``307`` is followed to its ``Location``; a ``503``,
 a ``429`` or a refused connection moves on to the next known node after a
@@ -33,6 +35,9 @@ import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from broker_adapter import codec
+from broker_adapter.errors import BrokerError
 
 RETRY_STATUSES = (429, 503)
 
@@ -140,6 +145,54 @@ class OutMessage:
         return d
 
 
+@dataclass(frozen=True, slots=True)
+class BinaryBody:
+    """A request body sent as it is, with its Content-Type."""
+
+    data: bytes
+    content_type: str
+
+
+def produce_body(
+    msgs: Sequence[OutMessage],
+    binary: bool,
+    producer_id: int | None = None,
+    epoch: int = 0,
+    sequence: int | None = None,
+) -> Any:
+    """A produce request's body: the binary batch (no JSON, no base64 on
+    either side; its layout is in /openapi.json) or the JSON one. A batch
+    the binary encoder refuses (a string or value over the default caps)
+    goes as JSON, so the node that may have other caps answers it."""
+    if binary:
+        born = int(time.time() * 1000)
+        rows = [
+            (m.value, m.tags, tuple(m.keys), tuple(sorted(m.properties.items())),
+             m.queue, m.sharding_key or None, born)
+            for m in msgs
+        ]  # fmt: skip
+        try:
+            data = codec.encode_batch(
+                rows,
+                producer_id=producer_id or 0,
+                epoch=epoch,
+                sequence=-1 if sequence is None else sequence,
+            )
+        except (BrokerError, TypeError, UnicodeError):
+            pass
+        else:
+            return BinaryBody(data, codec.BATCH_CONTENT_TYPE)
+    body: dict[str, Any] = {"messages": [m.to_json() for m in msgs]}
+    if producer_id is not None:
+        body.update(producer_id=producer_id, epoch=epoch, sequence=sequence)
+    return body
+
+
+def _binary_refused(exc: ApiError) -> bool:
+    """A node (a broker group's, or the proxy) that takes JSON bodies only."""
+    return exc.status == 415 and exc.code == "UNSUPPORTED_MEDIA_TYPE"
+
+
 def _as_messages(values: Sequence[bytes | str | OutMessage]) -> list[OutMessage]:
     out = []
     for v in values:
@@ -232,7 +285,9 @@ def queue_for_key(key: str, queues: int) -> int:
 
 class Client:
     """Synchronous client. ``addresses``: ``host:port`` of any nodes;
-    ``token``: bearer token (default ``$DLEDGER_TOKEN``, if set)."""
+    ``token``: bearer token (default ``$DLEDGER_TOKEN``, if set);
+    ``binary``: produce in the binary body (``application/vnd.dledger.batch``)
+    rather than JSON (falls back to JSON where a node answers 415)."""
 
     def __init__(
         self,
@@ -240,11 +295,15 @@ class Client:
         timeout_s: float = 10.0,
         retry_for_s: float = 30.0,
         token: str | None = None,
+        binary: bool = True,
     ) -> None:
         if not addresses:
             raise ValueError("at least one node address is needed")
         self.addresses = list(addresses)
         self._auth = _auth_headers(token)
+        # produce bodies in binary (off after a node answers that it takes
+        # JSON only: a broker group's node, the proxy)
+        self.binary = binary
         # Safe requests sent again after an unknown outcome (connection lost
         # after sending, timeout, 504): what the idempotent producer is for.
         self.resent_after_unknown = 0
@@ -267,7 +326,12 @@ class Client:
         whether some attempt may have been carried out; when it is False,
         none was (refused connections, 503s, 429s): the request surely did
         nothing."""
-        data = json.dumps(body).encode() if body is not None else None
+        if isinstance(body, BinaryBody):
+            data: bytes | None = body.data
+            content_type = body.content_type
+        else:
+            data = json.dumps(body).encode() if body is not None else None
+            content_type = "application/json"
         retry_for_s = self.retry_for_s if retry_for_s is None else retry_for_s
         deadline = time.monotonic() + retry_for_s
         address = self._current
@@ -281,7 +345,9 @@ class Client:
             # answers costs at most what is left of it.
             attempt_s = min(self.timeout_s, max(0.2, deadline - time.monotonic()))
             try:
-                status, headers, raw = self._once(address, method, path, data, attempt_s)
+                status, headers, raw = self._once(
+                    address, method, path, data, attempt_s, content_type
+                )
             except ConnectionRefusedError:
                 status, headers, raw = 0, {}, b""
                 last = f"connection refused at {address}"
@@ -333,6 +399,7 @@ class Client:
         path: str,
         data: bytes | None,
         timeout_s: float | None = None,
+        content_type: str = "application/json",
     ) -> tuple[int, dict[str, str], bytes]:
         host, _, port = address.rpartition(":")
         conn = http.client.HTTPConnection(
@@ -347,7 +414,7 @@ class Client:
                 raise NotSent(exc) from None  # nothing was sent: surely not done
             headers = dict(self._auth)
             if data is not None:
-                headers["Content-Type"] = "application/json"
+                headers["Content-Type"] = content_type
             conn.request(method, path, body=data, headers=headers)
             r = conn.getresponse()
             return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
@@ -373,8 +440,15 @@ class Client:
         self.request("DELETE", f"/v1/topics/{name}", safe=False)
 
     def produce(self, topic: str, values: Sequence[bytes | str | OutMessage]) -> list[Ack]:
-        body = {"messages": [m.to_json() for m in _as_messages(values)]}
-        return _acks(self.request("POST", f"/v1/topics/{topic}/messages", body, safe=False))
+        msgs, path = _as_messages(values), f"/v1/topics/{topic}/messages"
+        body = produce_body(msgs, self.binary)
+        try:
+            return _acks(self.request("POST", path, body, safe=False))
+        except ApiError as exc:
+            if not (isinstance(body, BinaryBody) and _binary_refused(exc)):
+                raise
+            self.binary = False  # refused, so surely not written: send it as JSON
+        return _acks(self.request("POST", path, produce_body(msgs, False), safe=False))
 
     def consume(
         self,
@@ -474,13 +548,16 @@ class IdempotentProducer:
         for m in msgs:
             m.queue, m.sharding_key = q, None
         seq = self._seq.get((topic, q), 0)
-        body = {
-            "producer_id": self.producer_id,
-            "epoch": self.epoch,
-            "sequence": seq,
-            "messages": [m.to_json() for m in msgs],
-        }
-        acks = _acks(self.client.request("POST", f"/v1/topics/{topic}/messages", body, safe=True))
+        path, c = f"/v1/topics/{topic}/messages", self.client
+        body = produce_body(msgs, c.binary, self.producer_id, self.epoch, seq)
+        try:
+            acks = _acks(c.request("POST", path, body, safe=True))
+        except ApiError as exc:
+            if not (isinstance(body, BinaryBody) and _binary_refused(exc)):
+                raise
+            c.binary = False
+            body = produce_body(msgs, False, self.producer_id, self.epoch, seq)
+            acks = _acks(c.request("POST", path, body, safe=True))
         self._seq[(topic, q)] = seq + len(msgs)
         return acks
 
@@ -494,12 +571,14 @@ class AsyncClient:
         timeout_s: float = 10.0,
         retry_for_s: float = 30.0,
         token: str | None = None,
+        binary: bool = True,
     ) -> None:
         import aiohttp
 
         if not addresses:
             raise ValueError("at least one node address is needed")
         self.addresses = list(addresses)
+        self.binary = binary  # as Client's
         self.retry_for_s = retry_for_s
         self._current = self.addresses[0]
         self.resent_after_unknown = 0
@@ -534,13 +613,16 @@ class AsyncClient:
         ambiguous = False
         while True:
             status, location, parsed = 0, None, None
+            if isinstance(body, BinaryBody):
+                kw: dict[str, Any] = {
+                    "data": body.data,
+                    "headers": {"Content-Type": body.content_type, **(headers or {})},
+                }
+            else:
+                kw = {"json": body, "headers": headers}
             try:
                 async with self._session.request(
-                    method,
-                    f"http://{address}{path}",
-                    json=body,
-                    allow_redirects=False,
-                    headers=headers,
+                    method, f"http://{address}{path}", allow_redirects=False, **kw
                 ) as r:
                     status, location = r.status, r.headers.get("Location")
                     raw = await r.read()
@@ -581,8 +663,15 @@ class AsyncClient:
         return res
 
     async def produce(self, topic: str, values: Sequence[bytes | str | OutMessage]) -> list[Ack]:
-        body = {"messages": [m.to_json() for m in _as_messages(values)]}
-        return _acks(await self.request("POST", f"/v1/topics/{topic}/messages", body, safe=False))
+        msgs, path = _as_messages(values), f"/v1/topics/{topic}/messages"
+        body = produce_body(msgs, self.binary)
+        try:
+            return _acks(await self.request("POST", path, body, safe=False))
+        except ApiError as exc:
+            if not (isinstance(body, BinaryBody) and _binary_refused(exc)):
+                raise
+            self.binary = False  # refused, so surely not written: send it as JSON
+        return _acks(await self.request("POST", path, produce_body(msgs, False), safe=False))
 
     async def consume(
         self,

@@ -47,6 +47,18 @@ class UnsupportedEncoding(DLedgerError):
     code = "UNSUPPORTED_CONTENT_ENCODING"
 
 
+class UnsupportedMediaType(DLedgerError):
+    """A binary produce body where it is not taken (415)."""
+
+    code = "UNSUPPORTED_MEDIA_TYPE"
+
+
+BATCH_REFUSED = (
+    "a broker-group node takes JSON produce bodies only (its agent routes each "
+    "message by queue); send application/json"
+)
+
+
 class BadEncoding(DLedgerError):
     """A body that does not decode as its Content-Encoding says (400)."""
 
@@ -71,6 +83,7 @@ class BodyTimeout(DLedgerError):
 STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (PayloadTooLarge, 413),
     (UnsupportedEncoding, 415),
+    (UnsupportedMediaType, 415),
     (BadEncoding, 400),
     (BadBody, 400),
     (BodyTimeout, 408),

@@ -49,6 +49,7 @@ from http_api.errors import (
     BodyTimeout,
     PayloadTooLarge,
     UnsupportedEncoding,
+    UnsupportedMediaType,
     error_response,
 )
 from http_api.openapi import OPERATIONS, QUICK, Op, request_schemas
@@ -239,13 +240,26 @@ class Guard:
                 raw = await read_body(request, self.limits)
                 request._read_bytes = raw  # what request.read() answers from now on
                 if op is not None and op.body:
-                    request[JSON_BODY] = await self.check_json(raw, op.body)
+                    if request.content_type in op.body_alt:
+                        pass  # the handler checks it (a binary produce body)
+                    elif request.content_type == codec.BATCH_CONTENT_TYPE:
+                        raise UnsupportedMediaType(
+                            f"{request.method} {op.summary!r} takes JSON, "
+                            f"not {codec.BATCH_CONTENT_TYPE}"
+                        )
+                    else:
+                        request[JSON_BODY] = await self.check_json(raw, op.body)
         except (DLedgerError, BrokerError) as exc:
             resp = error_response(exc)
             if not isinstance(exc, InvalidArgument):
                 resp.force_close()  # the body may be left unread
             return resp
-        if op is not None and op.body and JSON_BODY not in request:
+        if (
+            op is not None
+            and op.body
+            and JSON_BODY not in request
+            and request.content_type not in op.body_alt
+        ):
             try:
                 request[JSON_BODY] = await self.check_json(b"", op.body)
             except BrokerError as exc:

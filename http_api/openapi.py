@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from broker_adapter.codec import DEFAULT_LIMITS, MAX_QUEUES, NAME_MAX_LEN
+from broker_adapter.codec import BATCH_CONTENT_TYPE, DEFAULT_LIMITS, MAX_QUEUES, NAME_MAX_LEN
 from http_api.arrow import ARROW_MAX_MESSAGES, ARROW_STREAM, JSON_MAX_MESSAGES
 from http_api.arrow import COLUMNS as ARROW_COLUMNS
 
@@ -366,6 +366,35 @@ _Q_CONSISTENCY: dict[str, Any] = {
 }
 _Q_TIMEOUT = _int(1, 600_000)
 
+BATCH_LAYOUT = f"""\
+A JSON ProduceRequest (application/json), or the same batch in binary
+({BATCH_CONTENT_TYPE}): no JSON to parse and no base64, the records are
+proposed as they are (what the Python client sends). Big-endian:
+
+    magic        4 bytes  "DLB1"
+    producer_id  u64      0 = not idempotent
+    epoch        u32
+    sequence     i64      first message's sequence; -1 = not idempotent
+    count        u32      records that follow (1..max_batch_messages)
+    count records, back to back, nothing after them:
+      length     u32      whole record, this field included
+      crc        u32      CRC-32 (zlib, ISO-HDLC) of bytes [8:length]
+      version    u8       1
+      born_ts_ms i64      producer's timestamp, 0..2^62-1 (the client's clock)
+      queue      i32      -1 = the broker chooses, else 0..{MAX_QUEUES - 1}
+      sharding   u16 length + UTF-8   "" = none
+      tags       u16 length + UTF-8   "" = none
+      keys       u16 count, each u16 length + UTF-8
+      properties u16 count, each (u16 length + UTF-8 key, u16 length + UTF-8
+                 value), sorted by key, each key once
+      value      u32 length + bytes
+
+The JSON body's caps hold (strings, keys, properties, value size, batch
+size). A record that fails its CRC or its layout is a 422 naming
+messages[k]; nothing of the batch is proposed. A broker-group node (behind
+the proxy) answers 415 UNSUPPORTED_MEDIA_TYPE: send JSON there.
+"""
+
 # Error statuses: where each can come from.
 # auth (when on), overload, stopped/no leader, and what the HTTP edge refuses
 # on any route: a malformed request or body encoding (400), a body that is
@@ -391,6 +420,8 @@ class Op:
     # other media types of the success answer (chosen by Accept): type -> description
     alt_content: dict[str, str] = field(default_factory=dict)
     ok_headers: dict[str, str] = field(default_factory=dict)  # success headers (not required)
+    # other media types of the request body (by Content-Type): type -> description
+    body_alt: dict[str, str] = field(default_factory=dict)
 
 
 OPERATIONS: dict[tuple[str, str], Op] = {
@@ -417,6 +448,7 @@ OPERATIONS: dict[tuple[str, str], Op] = {
     ("POST", "/v1/topics/{topic}/messages"): Op(
         "Produce a batch; answers after commit and apply", (200, "ProduceResult"),
         {"timeout_ms": _Q_TIMEOUT}, "ProduceRequest", (404, *_BODY, *_WRITE),
+        body_alt={BATCH_CONTENT_TYPE: BATCH_LAYOUT},
     ),
     ("GET", "/v1/topics/{topic}/queues/{queue}/messages"): Op(
         "Consume by queue offset (long-poll: empty list after wait_ms)", (200, "ConsumeResult"),
@@ -606,6 +638,11 @@ def _operation(
                 else {"application/octet-stream": {"schema": {"type": "string"}}}
             ),
         }
+        for media, text in op.body_alt.items():
+            out["requestBody"]["content"][media] = {
+                "schema": {"type": "string", "format": "binary"}
+            }
+            out["requestBody"]["description"] = text
     return out
 
 
@@ -618,7 +655,7 @@ _ERROR_TEXT = {
     408: "The body did not arrive within the node's body timeout",
     413: "Body (as sent or inflated), message or batch too large",
     406: "Accept asks for a type this node cannot produce (Arrow without pyarrow)",
-    415: "Unsupported Content-Encoding",
+    415: "Unsupported Content-Encoding, or a binary body where it is not taken",
     416: "Offset out of range; the valid range is in the body",
     422: "A field is invalid; field names it",
     429: "Overloaded; retry after Retry-After",

@@ -26,7 +26,8 @@ aiohttp has not seen a byte of a connection, its bytes are framed here
 (:func:`express_head`). A request the lane takes is exactly ``POST
 /v1/topics/<name>/messages HTTP/1.1`` (a name of ``A-Z a-z 0-9 _ - .``, no
 percent-encoding, no query but ``timeout_ms`` in bounds) whose header fields are each once of Host,
-User-Agent, Accept-Encoding, Content-Type (``application/json``), Accept
+User-Agent, Accept-Encoding, Content-Type (``application/json``, or the
+binary ``application/vnd.dledger.batch``), Accept
 (``*/*`` or ``application/json``), ``Connection: keep-alive`` and a
 Content-Length of at most 64 KiB (and the body cap): no Authorization,
 Transfer-Encoding, Content-Encoding or Expect, no field it does not know,
@@ -61,6 +62,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
+from broker_adapter.codec import BATCH_CONTENT_TYPE
 from http_api.guard import HttpLimits, body_timeout
 
 logger = logging.getLogger(__name__)
@@ -127,20 +129,23 @@ def _length(value: bytes) -> bool:
     return value.isdigit() and len(value) <= 9
 
 
+_BATCH_TYPE = BATCH_CONTENT_TYPE.encode("ascii")
+_CONTENT_TYPES = (b"application/json", b"application/json; charset=utf-8", _BATCH_TYPE)
+
 # field name -> test of its lower-cased value; any other field: aiohttp answers
 _FIELDS: dict[bytes, Callable[[bytes], bool]] = {
     b"host": _any,
     b"user-agent": _any,
     b"accept-encoding": _any,  # the answers are never encoded
     b"content-length": _length,
-    b"content-type": lambda v: v in (b"application/json", b"application/json; charset=utf-8"),
+    b"content-type": lambda v: v in _CONTENT_TYPES,
     b"accept": lambda v: v in (b"*/*", b"application/json"),
     b"connection": lambda v: v == b"keep-alive",
 }
 
-# (topic, timeout_ms or None, offset of the body, body length), NEED_MORE,
-# or None (aiohttp's)
-Framed = tuple[str, int | None, int, int] | str | None
+# (topic, timeout_ms or None, offset of the body, body length, binary body),
+# NEED_MORE, or None (aiohttp's)
+Framed = tuple[str, int | None, int, int, bool] | str | None
 
 
 def express_head(buf: bytes | bytearray, max_body: int = EXPRESS_MAX_BODY) -> Framed:
@@ -165,16 +170,17 @@ def express_head(buf: bytes | bytearray, max_body: int = EXPRESS_MAX_BODY) -> Fr
             _heads[head] = known
     if known is None or known[2] > max_body:
         return None
-    return known[0], known[1], end + 4, known[2]
+    return known[0], known[1], end + 4, known[2], known[3]
 
 
 _HEADS_MAX = 1024  # heads the lane took, at most 512 bytes each
 _HEAD_CACHED_MAX = 512
-_heads: dict[bytes, tuple[str, int | None, int]] = {}
+_heads: dict[bytes, tuple[str, int | None, int, bool]] = {}
 
 
-def _parse_head(head: bytes) -> tuple[str, int | None, int] | None:
-    """(topic, timeout_ms or None, body length) of a head the lane takes, else None."""
+def _parse_head(head: bytes) -> tuple[str, int | None, int, bool] | None:
+    """(topic, timeout_ms or None, body length, binary body) of a head the
+    lane takes, else None."""
     lines = head.split(b"\r\n")
     line = lines[0]
     if not line.endswith(_SUFFIX):
@@ -192,6 +198,7 @@ def _parse_head(head: bytes) -> tuple[str, int | None, int] | None:
             return None
         timeout_ms = int(m.group(1))
     length = -1
+    binary = False
     seen: set[bytes] = set()
     for field in lines[1:]:
         name, colon, value = field.partition(b":")
@@ -205,9 +212,11 @@ def _parse_head(head: bytes) -> tuple[str, int | None, int] | None:
         seen.add(key)
         if key == b"content-length":
             length = int(value)
+        elif key == b"content-type":
+            binary = value.lower() == _BATCH_TYPE
     if not 0 <= length <= EXPRESS_MAX_BODY:
         return None
-    return topic.decode("ascii"), timeout_ms, length
+    return topic.decode("ascii"), timeout_ms, length, binary
 
 
 _OK_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nDate: "
@@ -242,8 +251,9 @@ def answer_bytes(answer: bytes | web.Response) -> tuple[bytes, bool]:
     return head + body, close
 
 
-# what answers an express request: (topic, body, request target, timeout_ms)
-Express = Callable[[str, bytes, str, int | None], Awaitable[bytes | web.Response]]
+# what answers an express request: (topic, body, request target, timeout_ms,
+# binary body)
+Express = Callable[[str, bytes, str, int | None, bool], Awaitable[bytes | web.Response]]
 # above this many bytes waiting behind an express request, reading pauses
 _XBUF_PAUSE = 1 << 20
 
@@ -365,7 +375,7 @@ class NodeRequestHandler(RequestHandler):
             return
         self._cancel_header_timer()
         self._got_bytes = False
-        topic, timeout_ms, start, length = framed
+        topic, timeout_ms, start, length, binary = framed
         if len(self._xbuf) < start + length:  # a body on its way, under the body timeout
             if self._x_body is None:
                 self._x_body = self._loop.call_later(
@@ -380,16 +390,18 @@ class NodeRequestHandler(RequestHandler):
         del self._xbuf[: start + length]
         self._x_busy = True
         self._request_in_progress = True  # a shutdown waits for the answer
-        self._x_task = self._loop.create_task(self._express_answer(topic, body, target, timeout_ms))
+        self._x_task = self._loop.create_task(
+            self._express_answer(topic, body, target, timeout_ms, binary)
+        )
 
     async def _express_answer(
-        self, topic: str, body: bytes, target: str, timeout_ms: int | None
+        self, topic: str, body: bytes, target: str, timeout_ms: int | None, binary: bool
     ) -> None:
         express = self.express
         assert express is not None
         close = True
         try:
-            wire, close = answer_bytes(await express(topic, body, target, timeout_ms))
+            wire, close = answer_bytes(await express(topic, body, target, timeout_ms, binary))
             transport = self.transport
             if transport is not None and not transport.is_closing():
                 transport.write(wire)

@@ -201,6 +201,7 @@ class RoutingClient:
                         timeout_s=self.timeout_s,
                         retry_for_s=self.group_retry_s,
                         token=self._token,
+                        binary=False,  # a group's node takes JSON produce bodies only
                     )
                 else:
                     c.addresses = list(addrs) or c.addresses

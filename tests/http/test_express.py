@@ -131,9 +131,11 @@ NOT_TAKEN: dict[str, bytes] = {
 def test_the_lane_takes_plain_produce_requests_only() -> None:
     framed = express_head(TAKEN)
     assert isinstance(framed, tuple)
-    topic, timeout_ms, start, length = framed
+    topic, timeout_ms, start, length, binary = framed
     assert topic == "t" and TAKEN[start:].startswith(b"{") and len(TAKEN) == start + length
-    assert timeout_ms is None
+    assert timeout_ms is None and binary is False
+    as_batch = TAKEN.replace(b"application/json", b"Application/Vnd.Dledger.Batch", 1)
+    assert express_head(as_batch)[4] is True  # type: ignore[index]
     timed = TAKEN.replace(b"/messages ", b"/messages?timeout_ms=600000 ", 1)
     assert express_head(timed)[:2] == ("t", 600_000)  # type: ignore[index]
     # the fields a client library sends, any case, tabs around values

@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 
+from broker_adapter.codec import BATCH_CONTENT_TYPE
 from controller import codec
 from controller.state import ControllerState
 from dledger.core.types import Entry
@@ -32,8 +33,16 @@ def agent(group: str = "g1") -> GroupAgent:
     return a
 
 
+class Req(dict[Any, Any]):
+    """What the agent reads of a request: its checked body, its Content-Type."""
+
+    def __init__(self, body: Any, content_type: str = "application/json") -> None:
+        super().__init__({JSON_BODY: body} if body is not None else {})
+        self.content_type = content_type
+
+
 def route(a: GroupAgent, body: dict[str, Any]) -> tuple[int | None, dict[str, Any]]:
-    req = {JSON_BODY: body}
+    req = Req(body)
     resp = a._route_produce(req, "t")  # type: ignore[arg-type]
     if resp is None:
         return None, body
@@ -70,7 +79,21 @@ def test_a_sharding_key_is_hashed_over_the_routes_queue_count() -> None:
 
 def test_unknown_topics_and_no_table_pass_through() -> None:
     a = agent()
-    req = {JSON_BODY: {"messages": [{"value": "a", "queue": 1}]}}
+    req = Req({"messages": [{"value": "a", "queue": 1}]})
     assert a._route_produce(req, "other") is None  # type: ignore[arg-type]
     a.table = None
     assert a._route_produce(req, "t") is None  # type: ignore[arg-type]
+
+
+def test_a_binary_produce_body_is_415_the_agent_cannot_route_it() -> None:
+    """The binary body's records are not routed here: a group's node
+    refuses it (the clients then send JSON), with or without a route table."""
+    for table in (True, False):
+        a = agent()
+        if not table:
+            a.table = None
+        resp = a._route_produce(Req(None, BATCH_CONTENT_TYPE), "t")  # type: ignore[arg-type]
+        assert resp is not None and resp.status == 415
+        assert resp.body is not None
+        err = orjson.loads(resp.body)["error"]  # type: ignore[arg-type]
+        assert err["code"] == "UNSUPPORTED_MEDIA_TYPE" and "JSON" in err["message"]

@@ -44,6 +44,10 @@ async def test_refusals_name_the_field() -> None:
             assert j["error"]["field"] == field, (body, j)
         r = await c.post("/v1/topics/t/messages", data=b"not json")
         assert r.status == 422 and (await r.json())["error"]["field"] == "body"
+        # the binary body: the proxy routes each message, so it takes JSON only
+        binary = {"Content-Type": "application/vnd.dledger.batch"}
+        r = await c.post("/v1/topics/t/messages", data=b"DLB1", headers=binary)
+        assert r.status == 415 and (await r.json())["error"]["code"] == "UNSUPPORTED_MEDIA_TYPE"
     finally:
         await c.close()
 

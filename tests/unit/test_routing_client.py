@@ -23,6 +23,8 @@ class FakeGroup:
     """Stands in for one group's Client: a tiny broker with per-queue logs
     and idempotent dedup, whose availability the test switches."""
 
+    binary = False  # as the routing client's group clients
+
     def __init__(self, name: str) -> None:
         self.name = name
         self.mode = "up"  # up | refuse (surely not done) | lose (done, answer lost) | blackhole

@@ -317,9 +317,9 @@ def _encode_row(row: MessageRow, limits: Limits, index: int) -> bytes:
     return _U32.pack(size) + _U32.pack(zlib.crc32(tail)) + tail
 
 
-# A record with no sharding key, tag, keys or properties and no requested
-# queue: length and CRC, then (version, born, queue -1, four zero-length
-# fields, body length) and the body. Same bytes as _encode_row gives it.
+# A record with no sharding key, tag, keys or properties: length and CRC,
+# then (version, born, queue or -1, four zero-length fields, body length)
+# and the body. Same bytes as _encode_row gives it.
 _PLAIN_HEAD = struct.Struct(">II")
 _PLAIN_TAIL = struct.Struct(">BqiHHHHI")
 _PLAIN_OVERHEAD = _PLAIN_HEAD.size + _PLAIN_TAIL.size
@@ -421,7 +421,7 @@ def encode_records(
     for k, row in enumerate(rows, first):
         body, tag, keys, props, queue, shard, born = row
         if (
-            queue is None
+            (queue is None or (type(queue) is int and 0 <= queue < MAX_QUEUES))
             and tag == ""
             and keys == ()
             and props == ()
@@ -430,7 +430,7 @@ def encode_records(
             and len(body) <= max_body
         ):
             n = len(body)
-            t = tail(RECORD_VERSION, born, -1, 0, 0, 0, 0, n)
+            t = tail(RECORD_VERSION, born, -1 if queue is None else queue, 0, 0, 0, 0, n)
             add(head(_PLAIN_OVERHEAD + n, crc32(body, crc32(t))))
             add(t)
             add(body)
@@ -540,7 +540,10 @@ def check_batch_records(
 ) -> tuple[int, int]:
     """Check records ``first .. first + n - 1`` of a binary produce body,
     the first at byte ``pos``: ``(where the next starts, properties seen)``.
-    Raises InvalidArgument naming ``messages[k]`` (422)."""
+    Raises InvalidArgument naming ``messages[k]`` (422). A record passes
+    exactly when :func:`canonical_record` says it is what the JSON path's
+    encoder makes of its message (tests/http/test_binary_produce.py holds
+    the two to each other)."""
     crc32 = zlib.crc32
     head = _PLAIN_HEAD.unpack_from
     tail = _PLAIN_TAIL.unpack_from
@@ -557,18 +560,19 @@ def check_batch_records(
         if crc32(mv[pos + 8 : pos + size]) != crc:
             raise _bad_record(k, "fails its CRC")
         ver, born, queue, shard, tag, nkeys, nprops, nbody = tail(raw, pos + 8)
+        if ver != RECORD_VERSION:
+            raise _bad_record(k, f"has record version {ver}, not {RECORD_VERSION}")
         if not 0 <= born < _BORN_MAX:
             raise _bad_record(k, f"has born_ts_ms {born}, not within 0..2^62-1", ".born_ts_ms")
-        if (
-            ver == RECORD_VERSION
-            and queue == -1
-            and not (shard or tag or nkeys or nprops)
-            and nbody == size - _PLAIN_OVERHEAD
-            and nbody <= max_body
-        ):
-            pos += size
-            continue
-        props += _check_general_record(bytes(mv[pos : pos + size]), k, limits)
+        if not -1 <= queue < MAX_QUEUES:
+            raise _bad_record(k, f"has queue {queue}, not within 0..{MAX_QUEUES - 1}", ".queue")
+        if not (shard or tag or nkeys or nprops):  # a value (and a queue) only
+            if nbody != size - _PLAIN_OVERHEAD:
+                raise _bad_record(k, "has a value length that does not match its length")
+            if nbody > max_body:
+                raise _value_too_large(k, nbody, max_body)
+        else:
+            props += _check_fields(raw, pos, size, k, limits)
         pos += size
     return pos, props
 
@@ -577,29 +581,96 @@ def _bad_record(k: int, why: str, sub: str = "") -> InvalidArgument:
     return InvalidArgument(f"messages[{k}]{sub} {why}", field=f"messages[{k}]{sub}")
 
 
-def _check_general_record(rec: bytes, k: int, limits: Limits) -> int:
-    """A record off the plain path: decoded, then encoded again from what
-    it says (every field checked as the JSON path checks it) and compared."""
+def _value_too_large(k: int, n: int, cap: int) -> MessageTooLarge:
+    return MessageTooLarge(
+        f"message body of {n} bytes exceeds {cap}", f"messages[{k}].value", limit_bytes=cap
+    )
+
+
+_FIELD_NAMES = ("sharding_key", "tags")
+
+
+def _check_fields(raw: bytes, pos: int, size: int, k: int, limits: Limits) -> int:
+    """The variable fields of the record at ``pos`` (length, CRC, version,
+    born and queue checked): every string UTF-8 and within the caps, the
+    counts within theirs, properties sorted by key with each key once, the
+    value ending the record exactly. The number of properties."""
+    end = pos + size
+    p = pos + _REC_FIXED.size
+    u16 = _U16.unpack_from
+    cap = limits.max_string_bytes
+    props = 0
+
+    def string(what: str) -> bytes:
+        nonlocal p
+        if p + 2 > end:
+            raise _bad_record(k, f"is truncated inside {what}")
+        (n,) = u16(raw, p)
+        b = raw[p + 2 : p + 2 + n]
+        if len(b) != n:
+            raise _bad_record(k, f"is truncated inside {what}")
+        if n > cap:
+            raise _bad_record(k, f"{what} is {n} bytes, more than {cap}", f".{what}")
+        try:
+            b.decode("utf-8")
+        except UnicodeDecodeError:
+            raise _bad_record(k, f"{what} is not UTF-8", f".{what}") from None
+        p += 2 + n
+        return b
+
+    for what in _FIELD_NAMES:
+        string(what)
+    for what, limit in (("keys", limits.max_keys), ("properties", limits.max_properties)):
+        if p + 2 > end:
+            raise _bad_record(k, f"is truncated at its {what}")
+        (count,) = u16(raw, p)
+        p += 2
+        if count > limit:
+            raise _bad_record(k, f"has {count} {what}, at most {limit} allowed", f".{what}")
+        if what == "keys":
+            for _ in range(count):
+                string(what)
+            continue
+        last = None
+        for _ in range(count):
+            key = string(what)
+            if last is not None and key <= last:  # UTF-8 order is code point order
+                raise _bad_record(
+                    k, "has properties not sorted by key or a key twice", ".properties"
+                )
+            last = key
+            string(what)
+        props = int(count)
+    if p + 4 > end:
+        raise _bad_record(k, "is truncated at its value")
+    (nbody,) = _U32.unpack_from(raw, p)
+    if p + 4 + nbody != end:
+        raise _bad_record(k, "has a value length that does not match its length")
+    if nbody > limits.max_message_bytes:
+        raise _value_too_large(k, nbody, limits.max_message_bytes)
+    if size > limits.max_message_bytes + 64 * 1024:
+        raise MessageTooLarge(
+            f"encoded message of {size} bytes is too large", f"messages[{k}]", limit_bytes=size
+        )
+    return props
+
+
+def canonical_record(rec: bytes, limits: Limits = DEFAULT_LIMITS) -> bool:
+    """Whether ``rec`` is exactly what the JSON path's encoder makes of the
+    message it holds (decoded, encoded again, compared): the reference
+    :func:`check_batch_records` is tested against."""
     try:
         r = decode_record(rec)
-    except MalformedCommand as exc:
-        raise _bad_record(k, f"is malformed: {exc}") from None
-    keys = [p[0] for p in r.properties]
-    if keys != sorted(set(keys)):
-        raise _bad_record(k, "has properties not sorted by key or a key twice", ".properties")
-    queue = None if r.queue == -1 else r.queue
-    row: MessageRow = (
-        r.body,
-        r.tag,
-        r.keys,
-        r.properties,
-        queue,
-        r.sharding_key or None,
-        r.born_ts_ms,
-    )
-    if _encode_row(row, limits, k) != rec:
-        raise _bad_record(k, "is not in the record format (bytes after its body, or a bad version)")
-    return len(r.properties)
+        if not 0 <= r.born_ts_ms < _BORN_MAX or list(r.properties) != sorted(r.properties):
+            return False
+        if len({key for key, _ in r.properties}) != len(r.properties):
+            return False
+        queue = None if r.queue == -1 else r.queue
+        row: MessageRow = (r.body, r.tag, r.keys, r.properties, queue,
+                           r.sharding_key or None, r.born_ts_ms)  # fmt: skip
+        return _encode_row(row, limits, 0) == rec
+    except (MalformedCommand, InvalidArgument):  # InvalidQueue, MessageTooLarge, ...
+        return False
 
 
 def encode_topic(kind: CommandKind, topic: str, ts_ms: int, queues: int = 0) -> bytes:

@@ -122,16 +122,20 @@ def run_http_produce(ctx: Context) -> BenchResult:
             )
             sats: list[dict[str, Any]] = []
             jsons: list[dict[str, Any]] = []
+            kinds = (
+                ("binary", body, BATCH_CONTENT_TYPE, sats),
+                ("JSON", produce_body(msgs, PAYLOAD), JSON, jsons),
+            )
             for k in range(repeats):  # binary and JSON bodies, interleaved
-                for kind, out in (("binary", sats), ("JSON", jsons)):
+                for kind, kind_body, ctype, out in kinds:
                     r = asyncio.run(
                         closed_loop(
                             url,
-                            body if kind == "binary" else produce_body(msgs, PAYLOAD),
+                            kind_body,
                             concurrency=sh["concurrency"],
                             duration_s=sat_s,
                             msgs_per_req=msgs,
-                            content_type=BATCH_CONTENT_TYPE if kind == "binary" else JSON,
+                            content_type=ctype,
                         )
                     )
                     out.append(r)

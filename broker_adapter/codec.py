@@ -541,9 +541,9 @@ def check_batch_records(
     """Check records ``first .. first + n - 1`` of a binary produce body,
     the first at byte ``pos``: ``(where the next starts, properties seen)``.
     Raises InvalidArgument naming ``messages[k]`` (422). A record passes
-    exactly when :func:`canonical_record` says it is what the JSON path's
-    encoder makes of its message (tests/http/test_binary_produce.py holds
-    the two to each other)."""
+    exactly when it is what the JSON path's encoder makes of its message
+    (tests/http/test_binary_produce.py holds this check to decoding the
+    record and encoding its message again)."""
     crc32 = zlib.crc32
     head = _PLAIN_HEAD.unpack_from
     tail = _PLAIN_TAIL.unpack_from
@@ -653,24 +653,6 @@ def _check_fields(raw: bytes, pos: int, size: int, k: int, limits: Limits) -> in
             f"encoded message of {size} bytes is too large", f"messages[{k}]", limit_bytes=size
         )
     return props
-
-
-def canonical_record(rec: bytes, limits: Limits = DEFAULT_LIMITS) -> bool:
-    """Whether ``rec`` is exactly what the JSON path's encoder makes of the
-    message it holds (decoded, encoded again, compared): the reference
-    :func:`check_batch_records` is tested against."""
-    try:
-        r = decode_record(rec)
-        if not 0 <= r.born_ts_ms < _BORN_MAX or list(r.properties) != sorted(r.properties):
-            return False
-        if len({key for key, _ in r.properties}) != len(r.properties):
-            return False
-        queue = None if r.queue == -1 else r.queue
-        row: MessageRow = (r.body, r.tag, r.keys, r.properties, queue,
-                           r.sharding_key or None, r.born_ts_ms)  # fmt: skip
-        return _encode_row(row, limits, 0) == rec
-    except (MalformedCommand, InvalidArgument):  # InvalidQueue, MessageTooLarge, ...
-        return False
 
 
 def encode_topic(kind: CommandKind, topic: str, ts_ms: int, queues: int = 0) -> bytes:

@@ -44,7 +44,7 @@ from aiohttp import web
 
 from broker_adapter.codec import BATCH_CONTENT_TYPE
 from http_api.client import Ack, ApiError, OutcomeUnknownError, OutMessage
-from http_api.errors import envelope, json_response
+from http_api.errors import UnsupportedMediaType, envelope, json_response
 from http_api.routing import RoutedProducer, RoutingClient
 
 logger = logging.getLogger("dledger.proxy")
@@ -204,7 +204,7 @@ class Proxy:
         if request.content_type == BATCH_CONTENT_TYPE:
             return envelope(
                 415,
-                "UNSUPPORTED_MEDIA_TYPE",
+                UnsupportedMediaType.code,
                 "the proxy takes JSON produce bodies only (it routes each message "
                 "by queue); send application/json",
             )

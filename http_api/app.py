@@ -465,12 +465,7 @@ class BrokerApi:
                 f"{len(raw) - pos} bytes after the {head.count} records the head announces",
                 field="messages",
             )
-        if props > self.node.cfg.max_batch_properties:
-            raise TooManyProperties(
-                f"{props} properties in this batch, at most "
-                f"{self.node.cfg.max_batch_properties} (max_batch_properties)",
-                "messages",
-            )
+        _check_batch_properties(props, self.node.cfg.max_batch_properties)
         self._before_produce(topic)
         data = codec.assemble_produce(
             topic,
@@ -854,6 +849,13 @@ def _str_field(m: dict[str, Any], name: str, where: str) -> str:
     return v
 
 
+def _check_batch_properties(total: int, cap: int) -> None:
+    if total > cap:
+        raise TooManyProperties(
+            f"{total} properties in this batch, at most {cap} (max_batch_properties)", "messages"
+        )
+
+
 async def parse_messages_stepwise(
     raw_msgs: object,
     limits: Limits,
@@ -877,12 +879,7 @@ async def parse_messages_stepwise(
                 props = m.get("properties")
                 if type(props) is dict:
                     total += len(props)
-        if total > max_batch_properties:
-            raise TooManyProperties(
-                f"{total} properties in this batch, at most {max_batch_properties} "
-                "(max_batch_properties)",
-                "messages",
-            )
+        _check_batch_properties(total, max_batch_properties)
     if len(raw_msgs) <= step:
         return parse_messages(raw_msgs)
     out: list[MessageRow] = []

@@ -193,6 +193,29 @@ def _binary_refused(exc: ApiError) -> bool:
     return exc.status == 415 and exc.code == "UNSUPPORTED_MEDIA_TYPE"
 
 
+def _send_produce(
+    client: Client,
+    topic: str,
+    msgs: Sequence[OutMessage],
+    *,
+    safe: bool,
+    ids: tuple[int | None, int, int | None] = (None, 0, None),
+) -> list[Ack]:
+    """One produce request through ``client`` (:func:`produce_body`;
+    ``ids``: producer id, epoch, sequence). A binary body a node refuses
+    with 415 goes again as JSON (refused, so surely not written), and the
+    client sends JSON from then on."""
+    path = f"/v1/topics/{topic}/messages"
+    body = produce_body(msgs, client.binary, *ids)
+    try:
+        return _acks(client.request("POST", path, body, safe=safe))
+    except ApiError as exc:
+        if not (isinstance(body, BinaryBody) and _binary_refused(exc)):
+            raise
+        client.binary = False
+    return _acks(client.request("POST", path, produce_body(msgs, False, *ids), safe=safe))
+
+
 def _as_messages(values: Sequence[bytes | str | OutMessage]) -> list[OutMessage]:
     out = []
     for v in values:
@@ -440,15 +463,7 @@ class Client:
         self.request("DELETE", f"/v1/topics/{name}", safe=False)
 
     def produce(self, topic: str, values: Sequence[bytes | str | OutMessage]) -> list[Ack]:
-        msgs, path = _as_messages(values), f"/v1/topics/{topic}/messages"
-        body = produce_body(msgs, self.binary)
-        try:
-            return _acks(self.request("POST", path, body, safe=False))
-        except ApiError as exc:
-            if not (isinstance(body, BinaryBody) and _binary_refused(exc)):
-                raise
-            self.binary = False  # refused, so surely not written: send it as JSON
-        return _acks(self.request("POST", path, produce_body(msgs, False), safe=False))
+        return _send_produce(self, topic, _as_messages(values), safe=False)
 
     def consume(
         self,
@@ -548,16 +563,8 @@ class IdempotentProducer:
         for m in msgs:
             m.queue, m.sharding_key = q, None
         seq = self._seq.get((topic, q), 0)
-        path, c = f"/v1/topics/{topic}/messages", self.client
-        body = produce_body(msgs, c.binary, self.producer_id, self.epoch, seq)
-        try:
-            acks = _acks(c.request("POST", path, body, safe=True))
-        except ApiError as exc:
-            if not (isinstance(body, BinaryBody) and _binary_refused(exc)):
-                raise
-            c.binary = False
-            body = produce_body(msgs, False, self.producer_id, self.epoch, seq)
-            acks = _acks(c.request("POST", path, body, safe=True))
+        ids = (self.producer_id, self.epoch, seq)
+        acks = _send_produce(self.client, topic, msgs, safe=True, ids=ids)
         self._seq[(topic, q)] = seq + len(msgs)
         return acks
 

@@ -61,11 +61,21 @@ def sample() -> Sample:
     return Sample(_busy_ticks(), _tree_ticks(os.getpid()))
 
 
-def outside_share(a: Sample, b: Sample, wall_s: float, cpus: int | None = None) -> float | None:
+# Below this the share is mostly the tick granularity of the two counters
+# (a benchmark that was skipped after a few milliseconds once "used" 302%).
+MIN_WALL_S = 2.0
+
+
+def outside_share(
+    a: Sample, b: Sample, wall_s: float, cpus: int | None = None, min_wall_s: float = MIN_WALL_S
+) -> float | None:
     """Percent of the machine (wall x cores) used by processes outside this
-    run between samples ``a`` and ``b``; None when it cannot be told."""
+    run between samples ``a`` and ``b``; None when it cannot be told (a
+    window shorter than ``min_wall_s``). CPU of a descendant that was
+    orphaned before it exited (re-parented, so reaped by no process of this
+    run) counts as outside: the share is an upper bound."""
     cores = cpus or os.cpu_count() or 1
-    if wall_s <= 0:
+    if wall_s <= 0 or wall_s < min_wall_s:
         return None
     outside = (b.busy - a.busy) - (b.ours - a.ours)
-    return max(0.0, 100.0 * outside / _HZ / (wall_s * cores))
+    return min(100.0, max(0.0, 100.0 * outside / _HZ / (wall_s * cores)))

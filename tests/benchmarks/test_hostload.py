@@ -20,7 +20,7 @@ def test_a_child_of_the_run_is_the_runs_own() -> None:
     subprocess.run([sys.executable, "-c", BURN.format(s=0.6)], check=True)  # reaped: cutime
     b = hostload.sample()
     assert (b.ours - a.ours) / HZ >= 0.5
-    share = hostload.outside_share(a, b, time.monotonic() - t0)
+    share = hostload.outside_share(a, b, time.monotonic() - t0, min_wall_s=0)
     assert share is not None and share >= 0.0
 
 
@@ -40,8 +40,18 @@ def test_a_process_outside_the_run_is_other_work() -> None:
             break
     b = hostload.sample()
     wall = time.monotonic() - t0
-    share = hostload.outside_share(a, b, wall)
+    share = hostload.outside_share(a, b, wall, min_wall_s=0)
     assert share is not None
     cores = os.cpu_count() or 1
     assert share >= 100.0 * 0.6 / (wall * cores), (share, wall)
     assert (b.ours - a.ours) / HZ < 0.5  # not counted as ours
+
+
+def test_a_window_too_short_to_tell_is_none() -> None:
+    # a benchmark skipped after a few milliseconds: one clock tick of the
+    # machine's busy time would read as hundreds of percent
+    a = hostload.Sample(busy=1000, ours=0)
+    b = hostload.Sample(busy=1003, ours=0)
+    assert hostload.outside_share(a, b, 0.005, cpus=2) is None
+    assert hostload.outside_share(a, b, 0.005, cpus=2, min_wall_s=0) == 100.0  # clamped
+    assert hostload.outside_share(a, b, 3.0, cpus=2) == 100.0 * 3 / HZ / 6.0

@@ -116,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
         profile=args.profile if args.profile is not None else not args.quick,
     )
     load_before = list(os.getloadavg())
+    speed_before = hostload.cpu_speed()
+    ctx.log(f"CPU speed index (benchmarks.hostload.cpu_speed): {speed_before:,.0f}")
     ctx.log(
         f"benchmarks: {', '.join(names)} ({'quick' if args.quick else 'full'}"
         f"{', big' if args.big else ''}); results in {out}"
@@ -166,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
         for f in b["figures"]
     }
     load_after = list(os.getloadavg())
+    speed_after = hostload.cpu_speed()
     load1 = max_load1([load_before, load_after], benches)
     outside = max(
         (
@@ -192,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
                 "loadavg_max_1m": load1,
                 "load_trustworthy": load1 <= (os.cpu_count() or 1),
                 "outside_cpu_pct_max": outside,
+                "cpu_speed_before": round(speed_before),
+                "cpu_speed_after": round(speed_after),
             },
         },
         "benchmarks": benches,
@@ -205,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
     ctx.log(f"wrote {out / 'results.json'}, results.md, index.html, plots/")
     ctx.log(
         f"load average (1 min): before {load_before[0]:.2f}, after {load_after[0]:.2f}, "
-        f"highest recorded {load1:.2f} on {os.cpu_count()} cores"
+        f"highest recorded {load1:.2f} on {os.cpu_count()} cores; "
+        f"CPU speed index {speed_before:,.0f} before, {speed_after:,.0f} after"
         + (
             f"; processes outside this run used at most {outside:.1f}% of the machine "
             "during one benchmark"

@@ -79,3 +79,38 @@ def outside_share(
         return None
     outside = (b.busy - a.busy) - (b.ours - a.ours)
     return min(100.0, max(0.0, 100.0 * outside / _HZ / (wall_s * cores)))
+
+
+def _speed_work(n: int) -> int:
+    """A fixed mix of what a node does per message in Python: dict and list
+    traffic, struct packing, a CRC over a short buffer, bytes joins."""
+    import struct
+    import zlib
+
+    pack = struct.Struct(">qiI").pack
+    buf = b"m" * 140
+    d: dict[int, bytes] = {}
+    acc = 0
+    for i in range(n):
+        rec = pack(i, i & 1023, zlib.crc32(buf, i))
+        d[i & 4095] = rec
+        acc += len(b"".join((rec, buf[: i & 63])))
+    return acc + len(d)
+
+
+def cpu_speed(trials: int = 3, n: int = 200_000) -> float:
+    """Thousands of iterations per second of :func:`_speed_work` on one
+    core, the best of ``trials`` (about 0.1 s each). The same code and
+    interpreter on the same machine score the same whatever the run's
+    figures are; a lower score means a slower machine that day (the
+    figures that are not ratios to a peer, such as Spark's messages/s or a
+    p99 in milliseconds, move with it)."""
+    import time
+
+    best = 0.0
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        _speed_work(n)
+        dt = time.perf_counter() - t0
+        best = max(best, n / dt / 1000)
+    return best

@@ -69,6 +69,19 @@ def load_warning(results: dict[str, Any]) -> str | None:
     return f"**Warning: {words}.**"
 
 
+def speed_line(host: dict[str, Any]) -> str | None:
+    """The machine's speed that day, in words (benchmarks.hostload.cpu_speed)."""
+    a, b = host.get("cpu_speed_before"), host.get("cpu_speed_after")
+    if not a or not b:
+        return None
+    return (
+        f"CPU speed index {a:,} at the start and {b:,} at the end (a fixed Python "
+        "workload on one core, best of 3). Figures that are not ratios to a peer "
+        "(Spark's messages/s, latencies in ms) have differed by up to 2x between days "
+        "on the same machine and code; compare them only between runs of similar speed."
+    )
+
+
 def _met(g: dict[str, Any]) -> str:
     return {True: "met", False: "NOT met", None: "n/a"}[g["met"]]
 
@@ -83,6 +96,7 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         f"commit `{m['git_commit']}`; {m['host']['cpus']} CPUs, load average before "
         f"{m['host']['loadavg_before'][0]:.2f}, after {m['host']['loadavg_after'][0]:.2f}.",
         "",
+        *([sl, ""] if (sl := speed_line(m["host"])) else []),
         "Every figure is the median over repeats with min and max (n = repeats). "
         "The machine is shared, so absolute numbers are noisy; ratios to the peer "
         "(PySyncObj, etcd or NATS JetStream, measured in this same run) are the figures "
@@ -219,6 +233,7 @@ def write_html(results: dict[str, Any], path: Path) -> None:
         "measured in this same run on the same shared, noisy machine. "
         "Raw data: <a href='results.json'>results.json</a>, "
         "<a href='results.md'>results.md</a>.</p>",
+        *([f"<p>{e(sl)}</p>"] if (sl := speed_line(m["host"])) else []),
         *([f"<p class='not'>{e(w.strip('*'))}</p>"] if (w := load_warning(results)) else []),
         "<h2>Goals</h2><table><tr><th>goal</th><th>target</th><th>value</th><th>status</th>"
         "<th>detail</th></tr>",

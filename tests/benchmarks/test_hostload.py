@@ -55,3 +55,11 @@ def test_a_window_too_short_to_tell_is_none() -> None:
     assert hostload.outside_share(a, b, 0.005, cpus=2) is None
     assert hostload.outside_share(a, b, 0.005, cpus=2, min_wall_s=0) == 100.0  # clamped
     assert hostload.outside_share(a, b, 3.0, cpus=2) == 100.0 * 3 / HZ / 6.0
+
+
+def test_the_speed_index_is_steady_on_one_machine() -> None:
+    # best of 3 on the same interpreter: two readings close together agree
+    # far better than the 2x the index is there to reveal
+    a, b = hostload.cpu_speed(), hostload.cpu_speed()
+    assert a > 0 and b > 0
+    assert 0.5 < a / b < 2.0, (a, b)

@@ -57,6 +57,9 @@ def test_quick_run_of_reads_writes_the_report(tmp_path: Path) -> None:
     # the other work beside the load average (benchmarks.hostload)
     assert _number(bench["outside_cpu_pct"]) and bench["outside_cpu_pct"] >= 0
     assert _number(results["meta"]["host"]["outside_cpu_pct_max"])
+    # the machine's speed that day, at both ends of the run
+    host = results["meta"]["host"]
+    assert host["cpu_speed_before"] > 0 and host["cpu_speed_after"] > 0
     keys = {f["key"] for f in bench["figures"]}
     for kind in ("committed", "lease", "read_index"):
         assert {f"reads.{kind}.p50_ms", f"reads.{kind}.p99_ms"} <= keys
@@ -76,4 +79,5 @@ def test_quick_run_of_reads_writes_the_report(tmp_path: Path) -> None:
     md = (out / "results.md").read_text()
     assert "## Goals" in md and "## reads" in md
     assert "processes outside this run used" in md
+    assert f"CPU speed index {host['cpu_speed_before']:,}" in md
     assert "<table>" in (out / "index.html").read_text()

@@ -915,3 +915,54 @@ async def test_a_peer_that_stops_reading_times_out_the_write(make: Factory) -> N
         for w in stalled:
             w.transport.abort()
         server.close()
+
+
+class _FakeReadTransport(asyncio.ReadTransport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.paused = False
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def is_reading(self) -> bool:
+        return not self.paused
+
+
+async def test_direct_reader_hands_over_what_it_buffered_first_then_every_chunk() -> None:
+    from dledger.transport.tcp import _DirectReader
+
+    r = _DirectReader(limit=16)
+    t = _FakeReadTransport()
+    r.set_transport(t)
+    r.feed_data(b"x" * 40)  # past 2 x limit while nobody read: the transport is paused
+    assert t.paused
+    got: list[bytes] = []
+    ends: list[BaseException | None] = []
+    r.direct(got.append, ends.append)
+    assert got == [b"x" * 40] and not t.paused  # handed over in order, reading resumed
+    r.feed_data(b"abc")
+    r.feed_data(b"")
+    assert got == [b"x" * 40, b"abc"] and not ends
+    r.feed_eof()
+    assert ends == [None]
+    err = ConnectionResetError("gone")
+    r2 = _DirectReader()
+    r2.direct(got.append, ends.append)
+    r2.set_exception(err)
+    assert ends == [None, err]
+
+
+async def test_direct_reader_reports_an_end_that_came_before_the_switch() -> None:
+    from dledger.transport.tcp import _DirectReader
+
+    r = _DirectReader()
+    r.feed_data(b"tail")
+    r.feed_eof()
+    got: list[bytes] = []
+    ends: list[BaseException | None] = []
+    r.direct(got.append, ends.append)
+    assert got == [b"tail"] and ends == [None]

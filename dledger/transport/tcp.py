@@ -812,6 +812,7 @@ class TcpTransport:
         slack = idle * 1.25
         ended: asyncio.Future[BaseException | None] = loop.create_future()
         last = loop.time()
+        me = asyncio.current_task()
 
         def end(why: BaseException | None) -> None:
             if not ended.done():
@@ -821,8 +822,15 @@ class TcpTransport:
             for frame in frames:
                 if ended.done():
                     return  # ended by an earlier frame or retired meanwhile
-                if peer_id not in self._peers:
-                    end(None)  # removed by update_peers while this batch was in hand
+                if (
+                    self._closed
+                    or peer_id not in self._peers
+                    or self._inbound.get(peer_id) is not me
+                ):
+                    # stopped, removed by update_peers, or retired by a newer
+                    # session from the peer: not one frame more from here, even
+                    # before this session's task gets to run its cancellation
+                    end(None)
                     return
                 if frame.kind is FrameKind.DATA:
                     self._deliver(peer_id, frame.payload)

@@ -441,6 +441,26 @@ async def test_replayed_session_is_rejected(make: Factory) -> None:
     assert ia == [(2, b"transfer 100")]
 
 
+async def test_a_newer_session_from_a_peer_retires_the_older_one(make: Factory) -> None:
+    a, ia = await make(1, peers={2: ("127.0.0.1", free_port())})
+    old = await RawDialer.connect(a.port)
+    await old.handshake(2, 1, SECRET)
+    old.write(old.enc.encode(FrameKind.DATA, b"one"))
+    await eventually(lambda: ia == [(2, b"one")])
+    new = await RawDialer.connect(a.port)
+    await new.handshake(2, 1, SECRET)
+    # the listener took the new session before it answered the handshake:
+    # nothing the old connection sends from now on is delivered
+    old.write(old.enc.encode(FrameKind.DATA, b"stale"))
+    new.write(new.enc.encode(FrameKind.DATA, b"two"))
+    await eventually(lambda: (2, b"two") in ia)
+    await read_until_closed(old.reader)  # and the old connection is closed
+    await asyncio.sleep(0.05)
+    assert ia == [(2, b"one"), (2, b"two")]
+    await old.close()
+    await new.close()
+
+
 @pytest.mark.parametrize(
     "hello",
     [

@@ -14,6 +14,9 @@ the CPU" means; the report prints it beside the load average.
 from __future__ import annotations
 
 import os
+import struct
+import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,9 +87,6 @@ def outside_share(
 def _speed_work(n: int) -> int:
     """A fixed mix of what a node does per message in Python: dict and list
     traffic, struct packing, a CRC over a short buffer, bytes joins."""
-    import struct
-    import zlib
-
     pack = struct.Struct(">qiI").pack
     buf = b"m" * 140
     d: dict[int, bytes] = {}
@@ -105,8 +105,6 @@ def cpu_speed(trials: int = 3, n: int = 200_000) -> float:
     figures are; a lower score means a slower machine that day (the
     figures that are not ratios to a peer, such as Spark's messages/s or a
     p99 in milliseconds, move with it)."""
-    import time
-
     best = 0.0
     for _ in range(trials):
         t0 = time.perf_counter()

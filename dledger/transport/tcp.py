@@ -822,14 +822,11 @@ class TcpTransport:
             for frame in frames:
                 if ended.done():
                     return  # ended by an earlier frame or retired meanwhile
-                if (
-                    self._closed
-                    or peer_id not in self._peers
-                    or self._inbound.get(peer_id) is not me
-                ):
-                    # stopped, removed by update_peers, or retired by a newer
-                    # session from the peer: not one frame more from here, even
-                    # before this session's task gets to run its cancellation
+                if self._closed or self._inbound.get(peer_id) is not me:
+                    # stopped, or retired by a newer session from the peer or
+                    # by update_peers (which drops a removed peer's session):
+                    # not one frame more from here, even before this
+                    # session's task gets to run its cancellation
                     end(None)
                     return
                 if frame.kind is FrameKind.DATA:

@@ -402,6 +402,9 @@ class RawDialer:
         self.sent += data
         self.writer.write(data)
 
+    def data(self, payload: bytes) -> None:
+        self.write(self.enc.encode(FrameKind.DATA, payload))
+
     async def frame(self) -> Any:
         while (f := self.dec.next_frame()) is None:
             data = await self.reader.read(4096)
@@ -429,7 +432,7 @@ async def test_replayed_session_is_rejected(make: Factory) -> None:
     a, ia = await make(1, peers={2: ("127.0.0.1", free_port())})
     legit = await RawDialer.connect(a.port)
     await legit.handshake(2, 1, SECRET)
-    legit.write(legit.enc.encode(FrameKind.DATA, b"transfer 100"))
+    legit.data(b"transfer 100")
     await eventually(lambda: ia == [(2, b"transfer 100")])
     await legit.close()
 
@@ -445,14 +448,14 @@ async def test_a_newer_session_from_a_peer_retires_the_older_one(make: Factory) 
     a, ia = await make(1, peers={2: ("127.0.0.1", free_port())})
     old = await RawDialer.connect(a.port)
     await old.handshake(2, 1, SECRET)
-    old.write(old.enc.encode(FrameKind.DATA, b"one"))
+    old.data(b"one")
     await eventually(lambda: ia == [(2, b"one")])
     new = await RawDialer.connect(a.port)
     await new.handshake(2, 1, SECRET)
     # the listener took the new session before it answered the handshake:
     # nothing the old connection sends from now on is delivered
-    old.write(old.enc.encode(FrameKind.DATA, b"stale"))
-    new.write(new.enc.encode(FrameKind.DATA, b"two"))
+    old.data(b"stale")
+    new.data(b"two")
     await eventually(lambda: (2, b"two") in ia)
     await read_until_closed(old.reader)  # and the old connection is closed
     await asyncio.sleep(0.05)

@@ -140,6 +140,10 @@ _MAX_CATCH_UP_ELECTIONS = 4
 # Loop turns a leader gives the transport after a stall before it ticks: the
 # socket's callback, the connection's reader task, the delivery to the inbox.
 _READ_TURNS_AFTER_STALL = 3
+# Loop turns a node gives the transport after releasing held inbound
+# sessions (hold_inbound) before it steps its inbox: the resumed sockets are
+# read by callbacks of the next turn, queued behind this task's own wake-up.
+_READ_TURNS_AFTER_HOLD = 2
 _STOP_TIMEOUT_S = 10.0
 # Log entries deleted per compaction step (one small write transaction each,
 # between Readies), so compacting behind a snapshot never stalls the loop:
@@ -1117,12 +1121,36 @@ class Node:
         delay = due - self._clock()
         if delay <= 0:
             return
+        tr = self._transport
+        hold = tr is not None and self._may_hold()
+        if hold:
+            assert tr is not None
+            tr.hold_inbound()
         self._wake.clear()
         handle = loop.call_later(delay, self._wake.set)
         try:
             await self._wake.wait()
         finally:
             handle.cancel()
+            if hold:
+                assert tr is not None
+                tr.release_inbound()
+        if hold:
+            for _ in range(_READ_TURNS_AFTER_HOLD):
+                await asyncio.sleep(0)
+
+    def _may_hold(self) -> bool:
+        """Whether the sleep ahead may leave the peers' messages unread: an
+        idle leader's (RawNode.idle_leader, no read or transfer waiting).
+        What its followers send meanwhile is their answers to its last round,
+        which would wait in the inbox for its next round anyway
+        (_quiet_input); held in the sockets they cause no wake-up either (an
+        idle leader woke about twice per round for them, issue 17). Anything
+        else a peer sends waits at most until that round, which an idle
+        cluster can afford; the first proposal or read wakes the loop, which
+        reads everything before it steps anything."""
+        r = self._raft
+        return r is not None and not self._reads and r.transferee == NONE and r.idle_leader()
 
     def _due_s(self) -> float:
         """When the next tick that can change anything is due: an idle node

@@ -708,6 +708,12 @@ class RawNode:
     # proposal or read brings the short interval back at once.
     IDLE_AFTER_ELECTIONS = 3
 
+    def idle_leader(self) -> bool:
+        """A leader in its idle rounds with nothing in flight: its followers'
+        answers can wait for its next round (a driver may leave them unread
+        until then)."""
+        return self.role is Role.LEADER and self._idle() and not self._busy()
+
     def _heartbeat_interval(self) -> int:
         return self.cfg.idle_heartbeat_ticks if self._idle() else self.cfg.heartbeat_ticks
 

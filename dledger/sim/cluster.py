@@ -265,6 +265,7 @@ class Simulation:
                 "committed_reads",
                 "crashes",
                 "idle_rounds",
+                "holds",  # sleeps an idle leader took with its peers' answers held
                 "restarts",
                 "slow_replays",
                 "partitions",
@@ -483,6 +484,8 @@ class Simulation:
         r = getattr(h.node, "_raft", None)
         if r is not None:
             self.stats["idle_rounds"] += r.idle_rounds
+        if h.transport is not None:
+            self.stats["holds"] += h.transport.counters["holds"]
 
     def _run(self) -> None:
         c = self.cfg

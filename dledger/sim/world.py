@@ -305,14 +305,40 @@ class SimTransport:
         self.host = host
         self.on_message = on_message
         self.peers: tuple[int, ...] = ()
-        self.counters: dict[str, int] = {"frames_sent": 0, "frames_received": 0}
+        self.counters: dict[str, int] = {"frames_sent": 0, "frames_received": 0, "holds": 0}
         self.running = False
+        # hold_inbound: frames that arrived meanwhile wait here, as in a held
+        # socket's buffer (lost with the process); after the release they
+        # are delivered by a callback of the loop's next turn, and whatever
+        # arrives before that callback queues behind them (per-link order)
+        self.holding = False
+        self.waiting: list[tuple[int, bytes]] = []
 
     async def start(self) -> None:
         self.running = True
 
     async def stop(self) -> None:
         self.running = False
+        self.holding = False
+        self.waiting = []
+
+    def hold_inbound(self) -> None:
+        if not self.holding and self.running:
+            self.holding = True
+            self.counters["holds"] += 1
+
+    def release_inbound(self) -> None:
+        if self.holding:
+            self.holding = False
+            if self.waiting:
+                self.host.loop.call_soon(self._deliver_waiting)
+
+    def _deliver_waiting(self) -> None:
+        if self.holding:
+            return  # held again first: the next release delivers them
+        frames, self.waiting = self.waiting, []
+        for frm, payload in frames:
+            self.receive(frm, payload)
 
     def send(self, to: int, payload: bytes) -> bool:
         if not self.running or to not in self.peers:
@@ -327,6 +353,9 @@ class SimTransport:
                 self.counters.get("rejected_unknown_sender", 0) + 1
             )
             return  # like the TCP handshake: only configured peers get in
+        if self.holding or self.waiting:
+            self.waiting.append((frm, payload))
+            return
         self.counters["frames_received"] += 1
         self.on_message(frm, payload)
 

@@ -39,6 +39,7 @@ MEMORY_COUNTERS = (
     "dropped_unreachable",
     "rejected_unknown_sender",
     "callback_errors",
+    "holds",
 )
 
 
@@ -106,6 +107,9 @@ class MemoryTransport:
         self._running = False
         self._stopped = False
         self._c: dict[str, int] = dict.fromkeys(MEMORY_COUNTERS, 0)
+        # hold_inbound: what arrived meanwhile, delivered after the release
+        self._holding = False
+        self._waiting: list[tuple[int, bytes]] = []
         network._attach(self)
 
     @property
@@ -128,7 +132,32 @@ class MemoryTransport:
         # Detaching lets a "restarted" node attach a fresh transport.
         self._running = False
         self._stopped = True
+        self._holding = False
+        self._waiting = []
         self._net._detach(self)
+
+    def hold_inbound(self) -> None:
+        """Keep what arrives until :meth:`release_inbound` (TcpTransport's
+        contract: a held socket is not read)."""
+        if not self._holding and self._running:
+            self._holding = True
+            self._c["holds"] += 1
+
+    def release_inbound(self) -> None:
+        """What waited is delivered by a callback of the loop's next turn;
+        what arrives before that callback queues behind it."""
+        if self._holding:
+            self._holding = False
+            if self._waiting and self._loop is not None:
+                self._loop.call_soon(self._deliver_waiting)
+
+    def _deliver_waiting(self) -> None:
+        if self._holding:
+            return  # held again first: the next release delivers them
+        frames, self._waiting = self._waiting, []
+        for frm, payload in frames:
+            if self._running:
+                self._receive(frm, payload)
 
     def peer_status(self, peer_id: int) -> None:
         """No connection state to report (the node's status leaves it out):
@@ -177,6 +206,9 @@ class MemoryTransport:
         if self._peers is not None and frm not in self._peers:
             # Same rule as the TCP handshake: only configured peers get in.
             self._c["rejected_unknown_sender"] += 1
+            return
+        if self._holding or self._waiting:
+            self._waiting.append((frm, payload))
             return
         self._c["frames_received"] += 1
         self._c["bytes_received"] += len(payload)

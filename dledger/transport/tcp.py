@@ -18,10 +18,21 @@ While a peer is unreachable its queue fills and further sends are refused,
 so memory stays bounded by ``max_queue_bytes`` per peer plus one batch in
 flight.
 
-Liveness: an idle dialer sends PING every ``keepalive_interval``; a listener
-drops a connection silent for ``idle_timeout``; a write that cannot drain
+Liveness: one timer per transport sweeps the sessions every
+``keepalive_interval``: it sends PING on each outbound one that wrote nothing
+for half of it (a link is silent at most 1.5 intervals) and drops each
+inbound one silent for ``idle_timeout`` (so between that and one interval
+more); one wake-up per interval whatever the number of peers, none per busy
+link or per read; a write that cannot drain
 within ``write_timeout`` drops the connection. The dialer then reconnects with
 exponential backoff and jitter.
+
+Holding: :meth:`TcpTransport.hold_inbound` stops reading the inbound
+sessions until :meth:`TcpTransport.release_inbound`; what peers send waits
+in the kernel's socket buffers and wakes nobody. An idle leader holds while
+it sleeps between heartbeat rounds: its followers' answers wait for its next
+round either way, and reading each one as it came was most of the wake-ups
+an idle leader had (issue 17).
 
 Security: with a secret, every frame after the handshake carries an HMAC with
 a per-connection, per-direction key (see :mod:`.handshake`); there is no
@@ -87,6 +98,7 @@ COUNTERS = (
     "rejected_handshakes",  # inbound handshake refused (identity, secret, garbage, timeout)
     "bad_frames",  # undecodable / unauthenticated frames, either direction
     "idle_timeouts",  # inbound connections closed for silence
+    "holds",  # hold_inbound() calls that paused the inbound sessions
     "write_timeouts",  # outbound connections closed because writes stalled
     "callback_errors",  # on_message raised
 )
@@ -167,6 +179,24 @@ async def _read_frame(reader: asyncio.StreamReader, dec: FrameDecoder) -> Frame:
     return frame
 
 
+class _InSession:
+    """An inbound session past its handshake, as the transport's sweep and
+    hold see it: when it last delivered bytes, how to end it, and the
+    socket's transport to pause (None if it has none)."""
+
+    __slots__ = ("end", "last", "transport")
+
+    def __init__(
+        self,
+        last: float,
+        end: Callable[[BaseException | None], None],
+        transport: asyncio.ReadTransport | None,
+    ) -> None:
+        self.last = last
+        self.end = end
+        self.transport = transport
+
+
 class _DirectReader(asyncio.StreamReader):
     """An inbound connection's reader: a plain :class:`asyncio.StreamReader`
     for the handshake, then (:meth:`direct`) one that hands every chunk the
@@ -206,6 +236,11 @@ class _DirectReader(asyncio.StreamReader):
             on_end(self._exception)
         elif self._eof:
             on_end(None)
+
+    def transport_for_hold(self) -> asyncio.ReadTransport | None:
+        """The socket's transport, for TcpTransport.hold_inbound to pause."""
+        t = self._transport
+        return t if isinstance(t, asyncio.ReadTransport) else None
 
     def feed_data(self, data: Iterable[SupportsIndex]) -> None:
         sink = self._sink
@@ -251,7 +286,7 @@ class TcpTransport:
         connect_timeout: float = 1.0,
         handshake_timeout: float = 2.0,
         write_timeout: float = 5.0,
-        keepalive_interval: float = 1.0,
+        keepalive_interval: float = 2.0,
         idle_timeout: float = 5.0,
         backoff_initial: float = 0.02,
         backoff_max: float = 1.0,
@@ -271,8 +306,10 @@ class TcpTransport:
         timeouts = (connect_timeout, handshake_timeout, write_timeout, keepalive_interval)
         if min(timeouts) <= 0 or backoff_initial <= 0 or backoff_max < backoff_initial:
             raise ConfigError("timeouts and backoff must be positive, backoff_max >= initial")
-        if idle_timeout <= keepalive_interval:
-            raise ConfigError("idle_timeout must exceed keepalive_interval")
+        if idle_timeout <= keepalive_interval * 1.5:
+            raise ConfigError(
+                "idle_timeout must exceed 1.5 x keepalive_interval (the longest a link is silent)"
+            )
 
         self.node_id = node_id
         self.cluster_id = cluster_id
@@ -297,6 +334,11 @@ class TcpTransport:
             nid: _Peer(nid, addr) for nid, addr in self._normalize(peers).items()
         }
         self._inbound: dict[int, asyncio.Task[None]] = {}
+        # inbound sessions past their handshake: what hold_inbound pauses
+        # and the sweep checks for silence
+        self._reading: dict[int, _InSession] = {}
+        self._held = False
+        self._sweep: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
         self._bound: Address | None = None
@@ -353,11 +395,69 @@ class TcpTransport:
         self._bound = (host, port)
         for peer in self._peers.values():
             self._spawn_dialer(peer)
+        self._sweep = loop.call_later(self._keepalive_interval, self._sweep_links)
+
+    def _sweep_links(self) -> None:
+        """Every ``keepalive_interval``, one timer for the whole transport
+        (an idle node wakes once per interval for it, whatever the number of
+        peers): PING each outbound session that wrote nothing for half an
+        interval (with nothing queued, and a socket that keeps up: a stuck
+        one is the write timeout's), and end each inbound session silent for
+        ``idle_timeout`` (a held one is silent because we hold it: it
+        counts as heard now)."""
+        if self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        quiet = self._keepalive_interval / 2
+        for peer in self._peers.values():
+            w, enc = peer.writer, peer.enc
+            if w is None or enc is None or peer.queue or now - peer.last_write < quiet:
+                continue
+            t = w.transport
+            if t.is_closing() or t.get_write_buffer_size():
+                continue
+            w.write(enc.encode(FrameKind.PING))
+            peer.last_write = now
+            self._c["pings_sent"] += 1
+        for sess in list(self._reading.values()):
+            if self._held:
+                sess.last = now
+            elif now - sess.last >= self._idle_timeout:
+                sess.end(TimeoutError())
+        self._sweep = loop.call_later(self._keepalive_interval, self._sweep_links)
+
+    def hold_inbound(self) -> None:
+        """Stop reading the inbound sessions until :meth:`release_inbound`:
+        bytes peers send meanwhile wait in the socket buffers (no wake-up,
+        nothing delivered). A session that begins while held is not held; a
+        held session is not closed for silence."""
+        if self._held or self._closed:
+            return
+        self._held = True
+        self._c["holds"] += 1
+        for sess in self._reading.values():
+            if sess.transport is not None:
+                sess.transport.pause_reading()
+
+    def release_inbound(self) -> None:
+        """Read the held sessions again. Their buffered bytes are read and
+        delivered by callbacks of the loop's next turn, so a task that
+        releases and then yields twice (``await asyncio.sleep(0)``) resumes
+        after they were delivered."""
+        if not self._held:
+            return
+        self._held = False
+        for sess in self._reading.values():
+            if sess.transport is not None:
+                sess.transport.resume_reading()
 
     async def stop(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
         if self._server is not None:
             self._server.close()
         # Cancelled sessions may still be finishing their cleanup; loop until
@@ -657,8 +757,8 @@ class TcpTransport:
     async def _pump(self, peer: _Peer, writer: asyncio.StreamWriter, enc: FrameEncoder) -> None:
         """The session's writer of last resort: takes the queue when the
         end-of-turn flush cannot (the socket's buffer is not empty, or the
-        session just began) and drains under ``write_timeout``; sends PING
-        after ``keepalive_interval`` without a frame written."""
+        session just began) and drains under ``write_timeout``. PINGs are
+        the sweep's (:meth:`_sweep_links`)."""
         loop = asyncio.get_running_loop()
         peer.writer, peer.enc = writer, enc
         peer.last_write = loop.time()
@@ -666,18 +766,8 @@ class TcpTransport:
             while True:
                 if not peer.queue:
                     peer.wakeup.clear()
-                    quiet = loop.time() - peer.last_write
-                    try:
-                        async with asyncio.timeout(max(0.0, self._keepalive_interval - quiet)):
-                            await peer.wakeup.wait()
-                    except TimeoutError:
-                        if loop.time() - peer.last_write < self._keepalive_interval:
-                            continue  # the flush wrote meanwhile
-                        writer.write(enc.encode(FrameKind.PING))
-                        peer.last_write = loop.time()
-                        self._c["pings_sent"] += 1
-                        await self._drain(writer, 0)
-                        continue
+                    await peer.wakeup.wait()
+                    continue
                 frames = self._write_batch(peer, writer, enc)
                 await self._drain(writer, frames)
         finally:
@@ -800,23 +890,22 @@ class TcpTransport:
         """Deliver frames until the peer closes or is silent for
         ``idle_timeout``. Frames are decoded and delivered in the socket's
         own callback (:class:`_DirectReader`), not by this task, which only
-        waits for the end. One watchdog timer spans the connection and is
-        re-armed only when it fires: a busy link costs no timer per read (a
-        visible share of a follower's CPU per one-message entry once). A
-        silent link is closed between ``idle_timeout`` and 1.25 times that
-        after its last byte."""
+        waits for the end. Silence is the transport's sweep's to find
+        (:meth:`_sweep_links`, every ``keepalive_interval``): no timer per
+        session or per read. A silent link is closed between
+        ``idle_timeout`` and that plus ``keepalive_interval`` after its last
+        byte."""
         if not isinstance(reader, _DirectReader):  # pragma: no cover - our server makes them
             raise TypeError("inbound connections read through a _DirectReader")
         loop = asyncio.get_running_loop()
-        idle = self._idle_timeout
-        slack = idle * 1.25
         ended: asyncio.Future[BaseException | None] = loop.create_future()
-        last = loop.time()
         me = asyncio.current_task()
 
         def end(why: BaseException | None) -> None:
             if not ended.done():
                 ended.set_result(why)
+
+        sess = _InSession(loop.time(), end, reader.transport_for_hold())
 
         def take(frames: list[Frame]) -> None:
             for frame in frames:
@@ -836,10 +925,9 @@ class TcpTransport:
                     return
 
         def sink(data: bytes) -> None:
-            nonlocal last
             if ended.done():
                 return
-            last = loop.time()
+            sess.last = loop.time()
             try:
                 frames = dec.feed(data)
             except FrameError as e:
@@ -847,18 +935,7 @@ class TcpTransport:
                 return
             take(frames)
 
-        timer: asyncio.TimerHandle | None = None
-
-        def watchdog() -> None:
-            nonlocal timer
-            if ended.done():
-                return
-            if loop.time() - last >= idle:
-                end(TimeoutError())
-            else:
-                timer = loop.call_at(last + slack, watchdog)
-
-        timer = loop.call_at(last + slack, watchdog)
+        self._reading[peer_id] = sess
         try:
             take(dec.feed(b""))  # anything pipelined behind the handshake
             if not ended.done():
@@ -866,7 +943,7 @@ class TcpTransport:
             why = await ended
         finally:
             end(None)  # a cancelled session delivers nothing more
-            if timer is not None:
-                timer.cancel()
+            if self._reading.get(peer_id) is sess:
+                del self._reading[peer_id]
         if why is not None:
             raise why  # FrameError, TimeoutError (silence) or the socket's OSError

@@ -119,11 +119,13 @@ def _stat_totals(profile: str, keys: tuple[str, ...], seeds: range = range(1, 5)
 
 def test_idle_profile_stretches_rounds_and_still_serves_lease_reads() -> None:
     """The idle profile must really idle: leaders send rounds at the idle
-    interval, and lease reads are served across them (the same runs find no
-    violation, test_emphasis_profiles_have_no_violation; and the planted
-    lease bug is caught in them, SWITCHES)."""
-    totals = _stat_totals("idle", ("idle_rounds", "lease_reads"))
+    interval, sleep between them with their followers' answers held in the
+    transport (hold_inbound), and lease reads are served across them (the
+    same runs find no violation, test_emphasis_profiles_have_no_violation;
+    and the planted lease bug is caught in them, SWITCHES)."""
+    totals = _stat_totals("idle", ("idle_rounds", "holds", "lease_reads"))
     assert totals["idle_rounds"] >= 100 and totals["lease_reads"] >= 20, totals
+    assert totals["holds"] >= 100, totals
 
 
 def test_membership_goes_down_to_one_voter() -> None:

@@ -79,15 +79,15 @@ def test_stream_window_must_fit_the_transport_queue() -> None:
 
 
 def test_idle_heartbeat_ticks_auto_explicit_and_refused() -> None:
-    """-1 (the default) is 8/15 of the election timeout, never below the
+    """-1 (the default) is 2/3 of the election timeout, never below the
     heartbeat interval, so lowering election_ticks alone never makes a
     configuration invalid; an explicit value is passed as is, and checked."""
     c = cfg()
     assert c.idle_heartbeat_ticks == -1 and "idle_heartbeat_ticks" in TUNABLES
-    assert c.raft_config().idle_heartbeat_ticks == 8  # 160 ms of 20 ms ticks
+    assert c.raft_config().idle_heartbeat_ticks == 10  # 200 ms of 20 ms ticks
     small = replace(c, election_ticks=6, heartbeat_ticks=3)
     small.validate()
-    assert small.raft_config().idle_heartbeat_ticks == 3  # = heartbeat_ticks: off
+    assert small.raft_config().idle_heartbeat_ticks == 4  # 2/3 of 6
     assert replace(c, idle_heartbeat_ticks=0).raft_config().idle_heartbeat_ticks == 0
     assert replace(c, idle_heartbeat_ticks=12).raft_config().idle_heartbeat_ticks == 12
     for bad in (-2, 4, 15):

@@ -676,3 +676,43 @@ async def test_full_cluster_restart_after_membership_changes_agrees_on_everythin
         fut.cancel()
     finally:
         await c.stop_all()
+
+
+async def test_an_idle_leader_holds_its_peers_between_rounds_and_keeps_its_quorum(
+    tmp_path: Path,
+) -> None:
+    """An idle leader leaves its followers' answers unread between its
+    rounds (hold_inbound, issue 17: reading each one as it came was most of
+    its wake-ups). They are read, in order, before anything is stepped at
+    its next round, so check-quorum still sees its followers: over many
+    idle rounds nobody's term moves and nobody else campaigns; the first
+    write after the idle spell is served and replicated as usual."""
+    c = Cluster(tmp_path, (1, 2, 3))
+    await c.start_all()
+    try:
+        await c.write(b"before")
+        lead = await c.wait_leader()
+        assert lead._raft is not None and lead._transport is not None
+        term = lead._raft.term
+        holds0 = lead._transport.stats["holds"]
+        # idle after 3 election timeouts (0.3 s); then rounds every 6 ticks:
+        # 1.5 s is ~20 idle rounds and ~15 check-quorum boundaries
+        await asyncio.sleep(1.5)
+        assert c.leader() is lead
+        assert lead._transport.stats["holds"] - holds0 >= 10
+        for n in c.nodes.values():
+            assert n._raft is not None and n._raft.term == term, n.cfg.node_id
+            assert n._transport is not None
+            if n is not lead:
+                assert n._transport.stats["holds"] == 0  # only a leader holds
+        index, t2 = await c.write(b"after")
+        assert t2 == term
+        await until(
+            lambda: all(
+                n._raft is not None and n._raft.log.applied >= index for n in c.nodes.values()
+            ),
+            5,
+            "every node applies the write after the idle spell",
+        )
+    finally:
+        await c.stop_all()

@@ -673,8 +673,9 @@ async def test_idle_authenticated_connection_is_dropped(make: Factory) -> None:
 async def test_a_link_goes_idle_only_after_its_last_frame(make: Factory) -> None:
     """The idle timeout counts from the last byte received, not from when
     the connection opened or when the timer was last moved: a peer that
-    talks for four timeouts stays, and is dropped within 1.25 timeouts
-    (plus scheduling) once it falls silent, never sooner than one."""
+    talks for four timeouts stays, and is dropped within one timeout plus
+    one sweep (keepalive_interval: 1.25 timeouts here, plus scheduling) once
+    it falls silent, never sooner than one."""
     idle = 0.2
     a, got = await make(
         1, peers={2: ("127.0.0.1", free_port())}, keepalive_interval=0.05, idle_timeout=idle
@@ -989,3 +990,106 @@ async def test_direct_reader_reports_an_end_that_came_before_the_switch() -> Non
     ends: list[BaseException | None] = []
     r.direct(got.append, ends.append)
     assert got == [b"tail"] and ends == [None]
+
+
+# --------------------------------------------------------------------------
+# holding the inbound sessions (an idle leader between its rounds)
+
+
+async def test_a_held_session_delivers_nothing_until_released_then_all_in_order(
+    make: Factory,
+) -> None:
+    """While held, what a peer sends waits in the socket (nothing is
+    delivered); after the release it is all delivered, in order, by the
+    loop's next turn: a task that releases and yields twice finds it in its
+    inbox (what Node._wait_for_work relies on before it steps)."""
+    (a, _), (b, ib) = await make(1), await make(2)
+    wire_up(a, b)
+    a.send(2, b"first")
+    await eventually(lambda: len(ib) == 1)
+    b.hold_inbound()
+    b.hold_inbound()  # holding twice is holding once
+    assert b.stats["holds"] == 1
+    for i in range(5):
+        assert a.send(2, b"m%d" % i)
+    await eventually(lambda: a.stats["frames_sent"] >= 6)
+    await asyncio.sleep(0.1)  # long enough for the bytes to reach b's socket
+    assert ib == [(1, b"first")]
+    b.release_inbound()
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert [p for _, p in ib] == [b"first"] + [b"m%d" % i for i in range(5)]
+    a.send(2, b"after")  # released: delivered as it comes
+    await eventually(lambda: len(ib) == 7)
+
+
+async def test_a_held_session_is_not_closed_for_silence(make: Factory) -> None:
+    """A session we hold is silent because of us: held for three idle
+    timeouts, it stays open, and what the peer sent meanwhile (its PINGs
+    and a frame) arrives on release without a reconnect. Released, a link
+    that really falls silent is still closed (the sweep still runs)."""
+    kw = {"keepalive_interval": 0.05, "idle_timeout": 0.2}
+    (a, _), (b, ib) = await make(1, **kw), await make(2, **kw)
+    wire_up(a, b)
+    a.send(2, b"hello")
+    await eventually(lambda: len(ib) == 1)
+    b.hold_inbound()
+    await asyncio.sleep(0.6)
+    a.send(2, b"while held")
+    await asyncio.sleep(0.05)
+    assert len(ib) == 1
+    b.release_inbound()
+    await eventually(lambda: len(ib) == 2)
+    assert ib[1] == (1, b"while held")
+    assert b.stats["idle_timeouts"] == 0 and a.stats["reconnects"] == 0
+    assert a.stats["pings_sent"] >= 3
+
+
+async def test_one_sweep_timer_serves_every_session(make: Factory) -> None:
+    """Keepalive and silence checks are one timer per transport, not one
+    per session: a transport with two live links in each direction has one
+    timer of its own scheduled on the loop whatever it carries."""
+    kw = {"keepalive_interval": 0.05, "idle_timeout": 0.2}
+    (a, _), (b, _ib), (c, _ic) = await make(1, **kw), await make(2, **kw), await make(3, **kw)
+    wire_up(a, b, c)
+    for t in (a, b, c):
+        for o in (1, 2, 3):
+            if o != t.node_id:
+                t.send(o, b"x")
+    await eventually(lambda: all(len(t._reading) == 2 for t in (a, b, c)))
+    loop = asyncio.get_running_loop()
+    scheduled = [h for h in loop._scheduled if not h.cancelled()]  # type: ignore[attr-defined]
+    mine = [h for h in scheduled if getattr(h._callback, "__self__", None) in (a, b, c)]
+    assert len(mine) == 3, [h._callback for h in scheduled]
+    await asyncio.sleep(0.3)  # silent links are pinged, none is dropped
+    assert all(t.stats["idle_timeouts"] == 0 for t in (a, b, c))
+    assert all(t.stats["pings_sent"] >= 2 for t in (a, b, c))
+
+
+async def test_memory_transport_holds_and_keeps_per_link_order() -> None:
+    """MemoryTransport (and the simulator's) hold like TCP: nothing is
+    delivered while held; after the release, what waited is delivered by
+    the loop's next turn, and a message that arrives before that turn
+    queues behind it, so a link's order survives a hold."""
+    net = MemoryNetwork()
+    box: Inbox = []
+    a = net.transport(1, lambda f, d: None)
+    b = net.transport(2, collect(box))
+    await a.start()
+    await b.start()
+    b.hold_inbound()
+    a.send(2, b"1")
+    a.send(2, b"2")
+    await asyncio.sleep(0.01)
+    assert box == [] and b.stats["holds"] == 1
+    b.release_inbound()
+    a.send(2, b"3")  # arrives before the delivery of what waited
+    assert box == []  # never inside release
+    await eventually(lambda: len(box) == 3)
+    assert [d for _, d in box] == [b"1", b"2", b"3"]
+    b.hold_inbound()
+    a.send(2, b"4")
+    await asyncio.sleep(0.01)
+    await b.stop()  # what a held socket kept is lost with the process
+    assert [d for _, d in box] == [b"1", b"2", b"3"]
+    await a.stop()

@@ -364,6 +364,34 @@ def test_leadership_transfer_moves_the_leader(make_cluster: MakeCluster, voters:
     assert r.status == 307 and r.json()["error"]["leader"] == target
 
 
+def test_an_idle_leader_holds_its_followers_answers_and_stays_leader(
+    make_cluster: MakeCluster,
+) -> None:
+    """Real processes over TCP: an idle leader sleeps between its rounds
+    with its followers' answers held in the sockets (issue 17: idle CPU),
+    and reads them before it steps anything at its next round, so
+    check-quorum keeps seeing its followers: over ~4 s of idle rounds no
+    term moves, and the first write after the idle spell is served by the
+    same leader and reaches every node."""
+    c = make_cluster(voters=3)
+    lead = c.wait_leader()
+    first = c.propose_ok(_payload("before-idle"))
+    st0 = c.status(lead) or {}
+    time.sleep(5.0)  # idle after 3 election timeouts (0.9 s), then a round every 200 ms
+    st = c.status(lead) or {}
+    assert st.get("role") == "leader" and st.get("term") == st0.get("term") == first.term
+    held = st["transport"]["holds"] - st0["transport"]["holds"]
+    assert held >= 10, held
+    for n in c.ids():
+        s = c.status(n) or {}
+        assert s.get("term") == first.term and s.get("leader") == lead, (n, s.get("term"))
+        if n != lead:
+            assert s["transport"]["holds"] == 0  # only a leader holds
+    out = c.propose_ok(_payload("after-idle"))
+    assert out.node == lead and out.term == first.term
+    c.wait_converged(c.ids(), out.index)
+
+
 def test_wrong_secret_cannot_join_or_inject(make_cluster: MakeCluster, tmp_path: Path) -> None:
     c = make_cluster(voters=3, secret="the-right-secret")
     lead = c.wait_leader()

@@ -33,6 +33,7 @@ class ProgressState(enum.IntEnum):
 
 class Progress:
     __slots__ = (
+        "commit_sent",
         "inflight",
         "inflight_bytes",
         "is_learner",
@@ -66,6 +67,9 @@ class Progress:
         self.is_learner = is_learner
         self.pending_snapshot = 0
         self.snapshot_sent_tick = 0
+        # the highest commit index an append or heartbeat told the follower
+        # (RaftConfig.commit_notify_ticks)
+        self.commit_sent = 0
 
     def __repr__(self) -> str:
         return (

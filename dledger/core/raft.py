@@ -214,6 +214,7 @@ class RawNode:
         self._pending_conf_index = 0
         self._transferee = NONE
         self._pending_bcast = False
+        self._commit_notify_at = -1  # leader: tick to tell lagging followers the commit
         # lease / ReadIndex bookkeeping (leader only)
         self._hb_round = 0
         self._hb_sent_tick: dict[int, int] = {}
@@ -250,6 +251,8 @@ class RawNode:
             idle = self._idle()
             hb = self.cfg.idle_heartbeat_ticks if idle else self.cfg.heartbeat_ticks
             hb_due = hb - self._heartbeat_elapsed
+            if self._commit_notify_at >= 0:
+                hb_due = min(hb_due, self._commit_notify_at - self._tick_count)
             if idle:
                 # An idle leader wakes for its rounds only: the check-quorum
                 # tick in between waits for the next wake, when the missed
@@ -516,7 +519,7 @@ class RawNode:
             # Our own copy counts toward commit only once it is durable.
             self._progress[self.id].maybe_update(self.log.stable_last_index())
             if self._maybe_commit():
-                self._bcast_append()
+                self._commit_moved()
 
     # ======================================================================
     # Introspection
@@ -608,6 +611,7 @@ class RawNode:
         self._votes = {}
         self._transferee = NONE
         self._pending_bcast = False
+        self._commit_notify_at = -1
         self._lease_expiry_tick = -1
         self._lease_disabled = False
         self._hb_sent_tick = {}
@@ -698,6 +702,8 @@ class RawNode:
         if self._heartbeat_elapsed >= self._heartbeat_interval():
             self._heartbeat_elapsed = 0
             self._bcast_heartbeat()
+        if 0 <= self._commit_notify_at <= self._tick_count:
+            self._notify_commit()
 
     # An idle leader (nothing proposed, read or transferred, every peer
     # caught up, for IDLE_AFTER_ELECTIONS election timeouts) sends its rounds
@@ -1118,8 +1124,8 @@ class RawNode:
                         pr.become_replicate()  # installed (or caught up otherwise)
                 else:
                     pr.free_inflight_to(m.index)
-                if self._maybe_commit():
-                    self._bcast_append()
+                if self._maybe_commit() and self._commit_moved():
+                    pass  # every follower got an append
                 elif was_paused:
                     self._send_append(m.frm)
                 while self._send_append(m.frm, send_empty=False):
@@ -1165,6 +1171,30 @@ class RawNode:
             self._bcast_heartbeat()
         self._need_read_round = False
 
+    def _commit_moved(self) -> bool:
+        """The commit index moved: tell the followers now (a commit-only
+        append each, True) or, with ``commit_notify_ticks``, let the next
+        append or heartbeat carry it and arm the notice for the followers
+        that get neither (False). With one request at a time the next
+        request's append carries it, and the commit-only append (one frame,
+        one loop pass per follower and message) is never sent."""
+        if not self.cfg.commit_notify_ticks:
+            self._bcast_append()
+            return True
+        if self._commit_notify_at < 0:
+            self._commit_notify_at = self._tick_count + self.cfg.commit_notify_ticks
+        return False
+
+    def _notify_commit(self) -> None:
+        """Due: whatever is due (a commit-only append at least) to each
+        follower not yet told the commit index; under steady load that is
+        one frame per follower and tick instead of one per commit."""
+        self._commit_notify_at = -1
+        committed = self.log.committed
+        for nid in sorted(self._progress):
+            if nid != self.id and self._progress[nid].commit_sent < committed:
+                self._send_append(nid)
+
     def _bcast_append(self) -> None:
         for nid in sorted(self._progress):
             if nid != self.id:
@@ -1207,6 +1237,7 @@ class RawNode:
         pr.sent_entries(
             ents[-1].index if ents else None, sum(len(e.data) for e in ents) + 32 * len(ents)
         )
+        pr.commit_sent = self.log.committed
         return True
 
     def _send_snapshot(self, to: int, pr: Progress) -> None:
@@ -1239,6 +1270,7 @@ class RawNode:
                 continue
             pr = self._progress[nid]
             commit = min(pr.match, self.log.committed)
+            pr.commit_sent = max(pr.commit_sent, commit)
             self._send(
                 Message(
                     MsgType.HEARTBEAT,

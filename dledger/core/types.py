@@ -315,6 +315,12 @@ class RaftConfig:
     # RawNode._idle. Between heartbeat_ticks and election_ticks - 1.
     idle_heartbeat_ticks: int = 0
     lease_drift_ticks: int = 2
+    # A commit index that moved reaches the followers on the next append or
+    # heartbeat sent to them; one that got neither within this many ticks
+    # gets a commit-only append then. 0: a commit-only append to every
+    # follower at once (etcd's way), one more frame per follower and message
+    # when requests come one at a time.
+    commit_notify_ticks: int = 0
     max_inflight_msgs: int = 256
     max_inflight_bytes: int = 8 << 20  # entry bytes in flight per follower (0: unbounded)
     max_msg_bytes: int = 1 << 20
@@ -373,6 +379,8 @@ class RaftConfig:
             )
         if self.lease_drift_ticks < 1 or self.lease_ticks < 1:
             raise ConfigError("lease_drift_ticks must be in [1, election_ticks)")
+        if not 0 <= self.commit_notify_ticks <= self.heartbeat_ticks:
+            raise ConfigError("commit_notify_ticks must be in [0, heartbeat_ticks]")
         if not 0 <= self.clock_drift_max < 0.5:
             raise ConfigError("clock_drift_max must be in [0, 0.5)")
         if self.check_quorum and self.lease_margin_ticks() <= 0:

@@ -1084,3 +1084,50 @@ def test_idle_heartbeat_ticks_is_validated() -> None:
                 heartbeat_ticks=2,
                 idle_heartbeat_ticks=bad,
             ).validate()
+    for bad in (-1, 3):  # a notice later than the next heartbeat round is pointless
+        with pytest.raises(ConfigError, match="commit_notify_ticks"):
+            RaftConfig(
+                node_id=1,
+                peers=ClusterConfig((1,), ()),
+                election_ticks=10,
+                heartbeat_ticks=2,
+                commit_notify_ticks=bad,
+            ).validate()
+
+
+def test_a_moved_commit_rides_on_the_next_append_or_leaves_one_tick_later() -> None:
+    """commit_notify_ticks 1 (what nodes run): when an acknowledgement
+    moves the commit index the leader sends no commit-only append at once;
+    the next request's append carries it (with one request at a time, one
+    frame and one follower loop pass less per request), and followers that
+    get no append within a tick get a commit-only one then (ticks_until_due
+    wakes the driver for it). With 0 every follower gets one at once."""
+    net = elected(heartbeat_ticks=3, commit_notify_ticks=1)
+    leader = net.nodes[1]
+    followers = (net.nodes[2], net.nodes[3])
+
+    def commit_only() -> list[Message]:
+        return [m for m in net.delivered if m.type is MsgType.APP and not m.entries]
+
+    net.delivered.clear()
+    a = leader.propose(b"a")
+    net.deliver_all()
+    assert leader.log.committed == a
+    assert all(f.log.committed < a for f in followers)
+    assert commit_only() == [] and leader.ticks_until_due() == 1
+    b = leader.propose(b"b")
+    net.deliver_all()
+    assert all(f.log.committed == a for f in followers)  # carried by b's append
+    assert leader.log.committed == b and commit_only() == []
+    net.tick([1])  # one tick, no heartbeat round due: the notice goes out
+    assert all(f.log.committed == b for f in followers)
+    assert len(commit_only()) == 2
+    net.tick([1])
+    assert len(commit_only()) == 2  # told once; nothing more until the commit moves
+
+    now = elected(heartbeat_ticks=3, commit_notify_ticks=0)
+    now.delivered.clear()
+    c = now.nodes[1].propose(b"c")
+    now.deliver_all()
+    assert all(now.nodes[i].log.committed == c for i in (2, 3))
+    assert len([m for m in now.delivered if m.type is MsgType.APP and not m.entries]) == 2

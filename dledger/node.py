@@ -1110,8 +1110,10 @@ class Node:
             return  # the last pass ran out of its budget with work left
         loop = asyncio.get_running_loop()
         due = self._due_s()
-        if self.cfg.flush == "async":
+        st = self._storage
+        if self.cfg.flush == "async" and st is not None and st.flush_pending():
             # the interval fsync runs between passes: never sleep through it
+            # (with nothing to flush, nothing to wake for: an idle node)
             due = min(due, self._flush_due_s())
         if self._pending_snap is not None or self._ckpt_seq is not None:
             # a snapshot waiting for retention, a checkpoint not yet written:
@@ -1549,7 +1551,7 @@ class Node:
         # as ``now - last >= interval`` it can be false by a rounding error
         # when the loop wakes exactly at ``last + interval``, and the loop
         # then spins without sleeping or flushing.
-        if now >= self._flush_due_s():
+        if now >= self._flush_due_s() and st.flush_pending():
             self._last_flush_s = now
             await self.env.offload(st.maybe_flush, now)
 

@@ -207,6 +207,9 @@ class SimStorage(MemoryStorage):
             self.flushes += 1
         super().sync()
 
+    def flush_pending(self) -> bool:
+        return self.flush_mode == "async" and self._committed is not None
+
     def maybe_flush(self, now_s: float) -> bool:
         if self.flush_mode != "async" or self._committed is None:
             return False

@@ -1736,6 +1736,11 @@ class LmdbStorage:
         self._last_flush_s = now_s
         return True
 
+    def flush_pending(self) -> bool:
+        """Async mode: whether committed transactions wait for an fsync
+        (an idle node has nothing to flush and need not wake for it)."""
+        return self._unflushed
+
     def flush(self) -> None:
         """Async mode: fsync every committed transaction now."""
         if self._failed is not None:

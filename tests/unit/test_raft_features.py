@@ -1096,7 +1096,7 @@ def test_idle_heartbeat_ticks_is_validated() -> None:
 
 
 def test_a_moved_commit_rides_on_the_next_append_or_leaves_one_tick_later() -> None:
-    """commit_notify_ticks 1 (what nodes run): when an acknowledgement
+    """commit_notify_ticks 1 (a node setting, off by default): when an acknowledgement
     moves the commit index the leader sends no commit-only append at once;
     the next request's append carries it (with one request at a time, one
     frame and one follower loop pass less per request), and followers that

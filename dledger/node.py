@@ -1123,21 +1123,18 @@ class Node:
         delay = due - self._clock()
         if delay <= 0:
             return
-        tr = self._transport
-        hold = tr is not None and self._may_hold()
-        if hold:
-            assert tr is not None
-            tr.hold_inbound()
+        held = self._transport if self._may_hold() else None
+        if held is not None:
+            held.hold_inbound()
         self._wake.clear()
         handle = loop.call_later(delay, self._wake.set)
         try:
             await self._wake.wait()
         finally:
             handle.cancel()
-            if hold:
-                assert tr is not None
-                tr.release_inbound()
-        if hold:
+            if held is not None:
+                held.release_inbound()
+        if held is not None:
             for _ in range(_READ_TURNS_AFTER_HOLD):
                 await asyncio.sleep(0)
 

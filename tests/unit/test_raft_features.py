@@ -1075,24 +1075,17 @@ def test_idle_heartbeat_ticks_is_validated() -> None:
     from dledger.core.types import ClusterConfig, RaftConfig
     from dledger.errors import ConfigError
 
+    def config(**kw: int) -> RaftConfig:
+        return RaftConfig(
+            node_id=1, peers=ClusterConfig((1,), ()), election_ticks=10, heartbeat_ticks=2, **kw
+        )
+
     for bad in (1, 10, 11):  # below heartbeat_ticks, at or above election_ticks
         with pytest.raises(ConfigError, match="idle_heartbeat_ticks"):
-            RaftConfig(
-                node_id=1,
-                peers=ClusterConfig((1,), ()),
-                election_ticks=10,
-                heartbeat_ticks=2,
-                idle_heartbeat_ticks=bad,
-            ).validate()
+            config(idle_heartbeat_ticks=bad).validate()
     for bad in (-1, 3):  # a notice later than the next heartbeat round is pointless
         with pytest.raises(ConfigError, match="commit_notify_ticks"):
-            RaftConfig(
-                node_id=1,
-                peers=ClusterConfig((1,), ()),
-                election_ticks=10,
-                heartbeat_ticks=2,
-                commit_notify_ticks=bad,
-            ).validate()
+            config(commit_notify_ticks=bad).validate()
 
 
 def test_a_moved_commit_rides_on_the_next_append_or_leaves_one_tick_later() -> None:

@@ -977,15 +977,73 @@ def test_commit_only_append_is_not_answered_but_commits() -> None:
     assert {m.to for m in with_entries} == {2, 3}
     assert all(not m.no_reply for m in with_entries)
     # Node 2's acknowledgement committed the entry (with the leader's own
-    # copy) while node 3's was still on its way: node 2's commit-only
-    # append asks for no answer, node 3's does (the leader must not lose
-    # track of an acknowledgement still in flight).
-    assert [(m.to, m.commit, m.no_reply) for m in commit_only] == [(2, 2, True), (3, 2, False)]
+    # copy) while node 3's was still on its way: neither commit-only append
+    # asks for an answer (node 3's answer to the entries is already coming;
+    # asking again made it answer twice).
+    assert [(m.to, m.commit, m.no_reply) for m in commit_only] == [(2, 2, True), (3, 2, True)]
     resps = sorted(m.frm for m in of_type(net.delivered, MsgType.APP_RESP))
-    assert resps == [2, 3, 3]
+    assert resps == [2, 3]
+    assert r.status().peers[3].match == 2
     for nid in (1, 2, 3):
         assert net.nodes[nid].log.committed == 2
         assert [e.data for e in net.applied[nid]][-1] == b"a"
+
+
+def test_a_lost_answer_is_asked_for_again_at_the_next_heartbeat_answer() -> None:
+    """Node 3's acknowledgement of an entry is lost, and the commit-only
+    append that follows asks for no answer: the leader sees node 3 behind in
+    its next heartbeat answer and sends an append that does ask, so node 3's
+    progress catches up without waiting for another proposal."""
+    net = elected(voters=(1, 2, 3))
+    r = net.nodes[1]
+    lost: list[Message] = []
+
+    def swallow(m: Message) -> bool:
+        if m.type is MsgType.APP_RESP and m.frm == 3 and not lost:
+            lost.append(m)
+            return True
+        return False
+
+    net.intercept = swallow
+    r.propose(b"a")
+    net.deliver_all()
+    idx = r.log.last_index()
+    assert lost and lost[0].index == idx
+    assert r.log.committed == idx and r.status().peers[3].match < idx
+    net.intercept = None
+    net.delivered.clear()
+    for _ in range(r.cfg.heartbeat_ticks):
+        hb_round(net)
+    asked = [m for m in of_type(net.delivered, MsgType.APP) if m.to == 3 and not m.entries]
+    assert asked and not asked[0].no_reply
+    assert r.status().peers[3].match == idx
+
+
+def test_a_follower_that_lost_an_acknowledged_tail_is_repaired_with_nothing_new_to_send() -> None:
+    """Async flush: node 3 acknowledged entries, learned none of them
+    committed, and lost them to a crash. No proposal follows, so no append
+    would ever show the leader its mistake: node 3's heartbeat answer says it
+    lacks the entry the leader believes it holds, the leader probes it from
+    there, and node 3 gets the entries back and commits them."""
+    net = elected(voters=(1, 2, 3))
+    r = net.nodes[1]
+    base = r.log.committed
+    # node 3 never hears a commit index past ``base`` before its crash
+    net.intercept = lambda m: m.to == 3 and m.type is MsgType.APP and not m.entries
+    for data in (b"a", b"b", b"c"):
+        r.propose(data)
+    net.deliver_all()
+    idx = r.log.last_index()
+    assert r.status().peers[3].match == idx and r.log.committed == idx
+    assert net.nodes[3].log.committed == base
+    net.intercept = None
+    storage_of(net.nodes[3]).truncate_from(base + 1)  # the unsynced tail, gone
+    n3 = net.restart(3, crash=False)
+    assert n3.log.last_index() == base
+    for _ in range(2 * r.cfg.heartbeat_ticks):
+        hb_round(net)
+    assert n3.log.last_index() == idx and n3.log.committed == idx
+    assert [e.data for e in net.applied[3]][-3:] == [b"a", b"b", b"c"]
 
 
 def test_commit_only_append_is_answered_when_rejected() -> None:

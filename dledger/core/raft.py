@@ -1157,17 +1157,18 @@ class RawNode:
                 and self._tick_count - pr.snapshot_sent_tick >= self.cfg.snapshot_retry_ticks
             ):
                 pr.become_probe()  # the snapshot or its answer was lost: try again
-            if m.reject and m.index <= pr.match and pr.state is not ProgressState.SNAPSHOT:
-                # The follower lacks an entry it acknowledged (see the
-                # follower's side): probe from its acknowledgement down, the
-                # probe's rejection moves ``match`` back (maybe_decr_to).
+            # The follower lacks an entry it acknowledged (see the
+            # follower's side): probe from its acknowledgement down, the
+            # probe's rejection moves ``match`` back (maybe_decr_to).
+            lost = m.reject and m.index <= pr.match and pr.state is not ProgressState.SNAPSHOT
+            if lost:
                 pr.become_probe()
-                self._send_append(m.frm, want_reply=True)
             elif pr.state is ProgressState.REPLICATE and pr.is_paused():
                 pr.free_first_inflight()
-            if pr.match < self.log.last_index():
-                # Entries sent and never acknowledged (or an answer lost):
-                # this append asks for an answer even when it carries none.
+            if lost or pr.match < self.log.last_index():
+                # Entries sent and never acknowledged (or an answer lost, or
+                # the probe): this append asks for an answer even when it
+                # carries no entries.
                 self._send_append(m.frm, want_reply=True)
             if m.context > self._acked_round.get(m.frm, 0):
                 self._acked_round[m.frm] = m.context

@@ -647,12 +647,15 @@ async def test_update_peers_adds_and_removes(make: Factory) -> None:
 
 
 async def test_keepalive_keeps_idle_connection(make: Factory) -> None:
-    kw = {"keepalive_interval": 0.05, "idle_timeout": 0.15}
+    # The idle timeout is long against a stall of this whole process on a
+    # loaded machine (which silences both ends at once), and the test
+    # sleeps for more than one timeout.
+    kw = {"keepalive_interval": 0.05, "idle_timeout": 0.6}
     (a, _), (b, ib) = await make(1, **kw), await make(2, **kw)
     wire_up(a, b)
     a.send(2, b"1")
     await eventually(lambda: len(ib) == 1)
-    await asyncio.sleep(0.4)
+    await asyncio.sleep(0.9)
     a.send(2, b"2")
     await eventually(lambda: len(ib) == 2)
     assert a.stats["pings_sent"] >= 3
@@ -676,7 +679,7 @@ async def test_a_link_goes_idle_only_after_its_last_frame(make: Factory) -> None
     talks for four timeouts stays, and is dropped within one timeout plus
     one sweep (keepalive_interval: a quarter timeout here, plus scheduling) once
     it falls silent, never sooner than one."""
-    idle = 0.2
+    idle = 0.5  # long against a stall of this test process between writes
     a, got = await make(
         1, peers={2: ("127.0.0.1", free_port())}, keepalive_interval=0.05, idle_timeout=idle
     )
@@ -1030,13 +1033,13 @@ async def test_a_held_session_is_not_closed_for_silence(make: Factory) -> None:
     timeouts, it stays open, and what the peer sent meanwhile (its PINGs
     and a frame) arrives on release without a reconnect. Released, a link
     that really falls silent is still closed (the sweep still runs)."""
-    kw = {"keepalive_interval": 0.05, "idle_timeout": 0.2}
+    kw = {"keepalive_interval": 0.05, "idle_timeout": 0.6}
     (a, _), (b, ib) = await make(1, **kw), await make(2, **kw)
     wire_up(a, b)
     a.send(2, b"hello")
     await eventually(lambda: len(ib) == 1)
     b.hold_inbound()
-    await asyncio.sleep(0.6)
+    await asyncio.sleep(1.8)
     a.send(2, b"while held")
     await asyncio.sleep(0.05)
     assert len(ib) == 1
@@ -1051,7 +1054,7 @@ async def test_one_sweep_timer_serves_every_session(make: Factory) -> None:
     """Keepalive and silence checks are one timer per transport, not one
     per session: a transport with two live links in each direction has one
     timer of its own scheduled on the loop whatever it carries."""
-    kw = {"keepalive_interval": 0.05, "idle_timeout": 0.2}
+    kw = {"keepalive_interval": 0.05, "idle_timeout": 0.6}
     (a, _), (b, _ib), (c, _ic) = await make(1, **kw), await make(2, **kw), await make(3, **kw)
     wire_up(a, b, c)
     for t in (a, b, c):

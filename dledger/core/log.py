@@ -134,6 +134,11 @@ class RaftLog:
         my_term = self.last_term()
         return last_term > my_term or (last_term == my_term and last_index >= self.last_index())
 
+    def is_newer(self, last_index: int, last_term: int) -> bool:
+        """Is a candidate's log strictly more up to date than ours?"""
+        my_term = self.last_term()
+        return last_term > my_term or (last_term == my_term and last_index > self.last_index())
+
     def conf_entries(self, lo: int, hi: int) -> list[Entry]:
         """The CONF_CHANGE entries of the stable log in [lo, hi): from the
         storage's own scan when it has one (reading headers only), else

@@ -851,7 +851,11 @@ class RawNode:
         # 1" on {2,3} and then lost 2 could never elect anyone.
         if FAULT_LEARNER_IGNORES_VOTES in self._faults and not self.config.is_voter(self.id):
             return  # planted bug: the old rule
-        if m.frm not in self.config.members() and self.config.is_voter(self.id):
+        if (
+            m.frm not in self.config.members()
+            and self.config.is_voter(self.id)
+            and not self.log.is_newer(m.index, m.log_term)
+        ):
             # A removed (or never added) node must not disrupt the members.
             # A learner candidate is answered: it may hold a promotion we
             # have not applied yet. And a node that is not a voter in its own
@@ -859,7 +863,15 @@ class RawNode:
             # answers everyone: its configuration is the stale one (a new
             # node added and promoted before it applied anything refused the
             # only candidate that could win; node-driven simulator, 2 of 2000
-            # seeds).
+            # seeds). Nor is a stranger refused whose log is strictly newer
+            # than ours: it may hold the changes that made it a voter, which
+            # we missed, and we may be the vote it needs. Voters {1,2,3}, 3
+            # down; 4 added and promoted, 1 and 2 removed: {3,4}. Back, 3
+            # refused 4 as a stranger and could not win with {1,2,3} itself:
+            # no leader ever again (node-driven simulator, seed 174). Voting
+            # for it is safe whatever it is: it counts votes with its own
+            # configuration, and single-server changes keep the quorums of
+            # consecutive configurations overlapping (Raft, section 4.1).
             self._send(self._vote_resp(resp_type, m.frm, self.term, reject=True))
             return
         can_vote = (

@@ -893,10 +893,68 @@ def test_removed_node_cannot_disrupt_the_members() -> None:
         net.tick()
     assert net.leaders() == [1]
     assert terms(net)[1] == terms(net)[2] == 1
-    # even a voter that is not sticky refuses a non-member's pre-vote
-    f = new_node(2, voters=(1, 2), storage=preload(term=1))
-    f.step(Message(MsgType.PRE_VOTE, 2, 3, 2, log_term=9, index=9))
-    assert read_messages(f) == [Message(MsgType.PRE_VOTE_RESP, 3, 2, 1, reject=True)]
+    # even a voter that is not sticky refuses a non-member's pre-vote,
+    # unless the stranger's log is strictly newer than its own (the next test)
+    f = new_node(2, voters=(1, 2), storage=preload(ents(1, 1), term=1))
+    for index, log_term in ((2, 1), (1, 1), (5, 0)):
+        f.step(Message(MsgType.PRE_VOTE, 2, 3, 2, log_term=log_term, index=index))
+        (resp,) = read_messages(f)
+        assert resp.type is MsgType.PRE_VOTE_RESP and resp.reject, (index, log_term)
+    f.step(Message(MsgType.PRE_VOTE, 2, 3, 2, log_term=1, index=3))
+    (resp,) = read_messages(f)
+    assert not resp.reject
+
+
+def test_a_voter_that_missed_the_changes_votes_for_the_stranger_that_holds_them() -> None:
+    """Voters {1,2,3}; 3 is cut off while 4 is added and promoted and 1 and
+    2 are removed: the configuration is {3,4}. 4 loses its leadership
+    (check-quorum: 3 is silent), 1 and 2 are gone, 3 comes back with
+    {1,2,3}. 3 cannot win with 1 and 2 gone, and 4 needs 3's vote: 3 must
+    not refuse 4 as a stranger, since 4's log is newer than its own
+    (node-driven simulator, seed 174: no leader ever again)."""
+    net = elected()
+    net.isolate(3)
+    add_node(net, 4)
+    net.isolate(3)  # the cut covers the new node too
+    lead = net.nodes[1]
+    lead.propose_conf_change(ConfChange(ConfChangeType.ADD_LEARNER, 4))
+    net.deliver_all()
+    lead.propose_conf_change(ConfChange(ConfChangeType.PROMOTE_LEARNER, 4))
+    net.deliver_all()
+    lead.propose_conf_change(ConfChange(ConfChangeType.REMOVE_NODE, 1))
+    net.deliver_all()
+    assert net.nodes[2].config.voters == (2, 3, 4)
+    for _ in range(4 * E):
+        net.tick((2, 4))
+        if net.leaders():
+            break
+    (new,) = [n for n in net.leaders() if n != 1]
+    other = 4 if new == 2 else 2
+    if new == 2:
+        net.nodes[2].transfer_leadership(4)
+        net.deliver_all()
+        for _ in range(2 * E):
+            if net.nodes[4].role is Role.LEADER:
+                break
+            net.tick((2, 4))
+    assert net.nodes[4].role is Role.LEADER
+    net.nodes[4].propose_conf_change(ConfChange(ConfChangeType.REMOVE_NODE, other))
+    net.deliver_all()
+    assert net.nodes[4].config.voters == (3, 4)
+    del net.nodes[1], net.nodes[2]  # retired
+    net.tick((4,), times=2 * E)  # check-quorum: 3 is silent
+    assert net.leaders() == [] and net.nodes[4].config.voters == (3, 4)
+    assert net.nodes[3].config.voters == (1, 2, 3)
+    net.recover()
+    for _ in range(12 * E):
+        net.tick()
+        if net.leaders() and net.nodes[3].config.voters == (3, 4):
+            break
+    assert net.leaders() in ([3], [4]), terms(net)
+    assert net.nodes[3].config.voters == (3, 4)
+    idx = net.nodes[net.leaders()[0]].propose(b"after")
+    net.deliver_all()
+    assert net.nodes[3].log.committed >= idx
 
 
 def test_invalid_membership_changes_are_refused() -> None:

@@ -152,9 +152,9 @@ def test_promoted_learner_votes_before_applying_its_promotion(planted: bool) -> 
 
 def test_a_vote_from_a_removed_node_is_still_refused() -> None:
     """Answering as a learner does not mean answering strangers: a candidate
-    outside our configuration is refused."""
-    n = new_node(1, (1, 2, 3))
-    n.step(Message(MsgType.VOTE, 1, 9, 5, log_term=9, index=9))
+    outside our configuration whose log is no newer than ours is refused."""
+    n = new_node(1, (1, 2, 3), storage=preload(ents(1, 2), term=2))
+    n.step(Message(MsgType.VOTE, 1, 9, 5, log_term=2, index=2))
     (resp,) = read_messages(n)
     assert resp.reject
 

@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import logging
 import os
@@ -1036,7 +1037,7 @@ class Node:
                     early = self._apply_early(rd, r)
                     if rd.snapshot is None and not rd.entries:
                         self._send(rd, early=True)
-                    await self._persist(rd, r if early else None)
+                    turned = await self._persist(rd, r if early else None)
                     if rd.snapshot is not None:
                         self._send(rd, early=True)
                     self._send(rd, early=False)
@@ -1060,7 +1061,12 @@ class Node:
                     more = r.has_ready()
                     if not more:
                         break  # no turn of the loop to give up: the pass ends here
-                    await asyncio.sleep(0)
+                    if not turned:
+                        # Give the loop a turn between Readies. A Ready whose
+                        # write ran in a thread gave it turns already: the
+                        # next Ready (typically the commit its acknowledgements
+                        # moved, which answers the writes) follows at once.
+                        await asyncio.sleep(0)
                     if self._clock() - start > budget_s:
                         self._pass_cut = True  # the rest in the next pass, after housekeeping
                         break
@@ -1244,7 +1250,9 @@ class Node:
             self._pass_ops += 1
             ops.popleft()[1]()
 
-    async def _persist(self, rd: Ready, r: RawNode | None = None) -> None:
+    async def _persist(self, rd: Ready, r: RawNode | None = None) -> bool:
+        """Write ``rd``'s entries and state; returns whether the loop turned
+        meanwhile (the write ran in a thread)."""
         st = self._storage
         assert st is not None
         self.counters["readies"] += 1
@@ -1265,21 +1273,25 @@ class Node:
         # (LmdbStorage, SimStorage), so a node never votes twice in a term.
         if rd.hard_state is not None:
             st.save_hard_state(rd.hard_state)
-        if rd.must_sync:
-            t = self._clock()
-            if self._sync_inline(rd):
-                st.sync()
-                await self._maybe_flush()
-                self.counters["inline_syncs"] += 1
-            elif r is not None:
-                await self._write_and_apply(st, r, rd)
-            else:
-                await self.env.offload(self._sync_blocking, st)
-            dt = self._clock() - t
-            self._sync_s_total += dt
-            self._sync_s_max = max(self._sync_s_max, dt)
-            self.counters["syncs"] += 1
-            self.counters["synced_entries"] += len(rd.entries)
+        if not rd.must_sync:
+            return False
+        t = self._clock()
+        turned = True
+        if self._sync_inline(rd):
+            st.sync()
+            await self._maybe_flush()
+            self.counters["inline_syncs"] += 1
+            turned = False
+        elif r is not None:
+            await self._write_and_apply(st, r, rd)
+        else:
+            await self.env.offload(self._sync_blocking, st)
+        dt = self._clock() - t
+        self._sync_s_total += dt
+        self._sync_s_max = max(self._sync_s_max, dt)
+        self.counters["syncs"] += 1
+        self.counters["synced_entries"] += len(rd.entries)
+        return turned
 
     async def _write_and_apply(self, st: NodeStorage, r: RawNode, rd: Ready) -> None:
         """A leader's group commit, with acknowledgements taken in meanwhile.
@@ -1293,11 +1305,20 @@ class Node:
         group commit of the entries proposed after it. ``rd``'s own
         committed entries were applied before the write (``_apply_early``),
         so the order of application holds."""
-        task = asyncio.ensure_future(self.env.offload(self._sync_blocking, st))
+        outcome: list[BaseException | None] = []
+
+        def written(exc: BaseException | None) -> None:
+            outcome.append(exc)
+            self._wake.set()
+
+        # Started here, before the loop turns: the fsync runs while this
+        # turn's appends are written to the followers (the transport
+        # writes them after this task yields), not after them.
+        self.env.submit(functools.partial(self._sync_blocking, st), written)
         inbox = self._inbox
         max_bytes = self.cfg.max_apply_bytes
         while True:
-            self._wake.clear()  # before looking: a message queued after this wakes us
+            self._wake.clear()  # before looking: a message or the write's end wakes us
             stepped = 0
             while inbox and _mid_write_input(inbox[0], r):
                 r.step(inbox.popleft())
@@ -1309,14 +1330,11 @@ class Node:
                     self._apply_entries(ents)
                     self._release_parked_reads()
                     self.counters["mid_write_applies"] += 1
-            if task.done():
+            if outcome:
                 break
-            waiter = asyncio.ensure_future(self._wake.wait())
-            try:
-                await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                waiter.cancel()
-        task.result()
+            await self._wake.wait()
+        if outcome[0] is not None:
+            raise outcome[0]
 
     def _sync_inline(self, rd: Ready) -> bool:
         """Whether this Ready's group commit runs on the loop itself.

@@ -9,6 +9,9 @@ it takes from the outside world goes through a :class:`NodeEnv`:
   measurement of the node reads it, never ``time.monotonic`` directly);
 * ``offload(fn, *args)``: run blocking work (fsync, snapshot encoding and
   file writes) off the loop and await its result;
+* ``submit(fn, on_done)``: start blocking work off the loop at once, without
+  a task; ``on_done(exc_or_None)`` is called on the loop when it returns
+  (the leader's group commit: one wake-up of the loop when the fsync ends);
 * ``rng``: the randomness handed to the core (election timeouts);
 * ``open_storage(cfg)``: the durable log, plus a release callback run after
   the storage is closed (production: the data-directory lock);
@@ -27,6 +30,8 @@ crashing storage and a seeded lossy network, so it runs the real node loop.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import fcntl
 import os
 import random
@@ -177,6 +182,41 @@ class Offload(Protocol):
     def __call__(self, fn: Callable[..., T], /, *args: Any) -> Awaitable[T]: ...
 
 
+OnDone = Callable[[BaseException | None], None]
+Submit = Callable[[Callable[[], None], OnDone], None]
+
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def submit_to_thread(fn: Callable[[], None], on_done: OnDone) -> None:
+    """Run ``fn`` on a worker thread, starting now (no task, whose first
+    step waits for the loop's next turn), and call ``on_done`` with its
+    exception or None on the calling loop when it returns. The completion
+    costs the loop one wake-up (its self-pipe) and one callback; awaiting
+    ``asyncio.to_thread`` costs four turns of callbacks (the future chain,
+    the task, the waiter) before the awaiting code runs again. One pool
+    for the process: a node has at most one group commit in flight, so
+    its commits reuse one idle thread."""
+    global _POOL
+    loop = asyncio.get_running_loop()
+
+    def run() -> None:
+        exc: BaseException | None = None
+        try:
+            fn()
+        except BaseException as e:  # handed to the loop, which raises it there
+            exc = e
+        # RuntimeError: the loop closed meanwhile (the node stopped without waiting)
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(on_done, exc)
+
+    if _POOL is None:
+        _POOL = concurrent.futures.ThreadPoolExecutor(
+            max_workers=(os.cpu_count() or 1) + 4, thread_name_prefix="dledger-io"
+        )
+    _POOL.submit(run)
+
+
 def _no_work(kind: str, n: int) -> None:
     return None
 
@@ -191,6 +231,7 @@ class NodeEnv:
 
     clock: Callable[[], float] = time.monotonic
     offload: Offload = to_thread
+    submit: Submit = submit_to_thread
     rng: random.Random = field(default_factory=random.Random)
     open_storage: Callable[[NodeConfig], tuple[NodeStorage, Callable[[], None]]] = open_lmdb_storage
     make_transport: MakeTransport = make_tcp_transport

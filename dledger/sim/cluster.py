@@ -384,6 +384,7 @@ class Simulation:
         env = NodeEnv(
             clock=host.local_now,
             offload=host.offload,
+            submit=host.submit,
             rng=host.rng,
             open_storage=host.open_storage,
             make_transport=host.make_transport,

@@ -401,6 +401,7 @@ class Host:
         self.leader_term = 0
         self.apply_cost_s = sim.cfg.apply_cost_s
         self.slow_until = 0  # applied index up to which apply_cost_s applies
+        self._submitted: set[asyncio.Task[None]] = set()  # submit()'s tasks
 
     # -- time --------------------------------------------------------------
     def global_now(self) -> float:
@@ -456,6 +457,24 @@ class Host:
             d += self.rng.uniform(0.0, c.slow_sync_s)
         await asyncio.sleep(d)
         return fn(*args)
+
+    def submit(
+        self, fn: Callable[[], None], on_done: Callable[[BaseException | None], None]
+    ) -> None:
+        """``offload`` started as a task; its outcome handed to ``on_done``
+        (a HostCrashed still unwinds the pass, as it does out of any task)."""
+
+        async def run() -> None:
+            try:
+                await self.offload(fn)
+            except Exception as exc:
+                on_done(exc)
+                return
+            on_done(None)
+
+        task = self.loop.create_task(run())
+        self._submitted.add(task)
+        task.add_done_callback(self._submitted.discard)
 
     def open_storage(self, cfg: Any) -> tuple[SimStorage, Callable[[], None]]:
         return self.storage, _noop

@@ -27,6 +27,7 @@ second or two.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -45,8 +46,8 @@ from dledger.core.types import (
     MsgType,
     Role,
 )
-from dledger.errors import DLedgerError, StorageCorrupted
-from dledger.node import Node
+from dledger.errors import DLedgerError, StorageCorrupted, StorageFailed
+from dledger.node import Node, OutcomeUnknown
 from dledger.runtime import NodeEnv, NodeStorage, open_lmdb_storage
 from dledger.snapshot_stream import is_stream_frame
 from dledger.statemachine import LogStateMachine
@@ -116,6 +117,8 @@ class Crashable:
         self.crashed = False
         self.syncs = 0  # real syncs done
         self.crash_at_sync = crash_at_sync  # crash instead of doing this one (0-based)
+        self.fail_at_sync: int | None = None  # raise StorageFailed at this one
+        self.sync_threads: set[str] = set()  # the threads sync() ran on
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.real, name)
@@ -124,8 +127,11 @@ class Crashable:
         self.crashed = True
 
     def sync(self) -> None:
+        self.sync_threads.add(threading.current_thread().name)
         if self.syncs == self.crash_at_sync:
             self.crashed = True
+        if self.syncs == self.fail_at_sync:
+            raise StorageFailed("injected: fsync returned EIO")
         if not self.crashed:
             self.real.sync()
             self.syncs += 1
@@ -534,6 +540,31 @@ async def test_restart_recovers_after_a_kill_at_every_sync_and_after_a_clean_sto
             await asyncio.wait_for(n.submit(b"after"), 5)
         finally:
             await n.stop()
+
+
+async def test_a_disk_failure_in_the_leaders_group_commit_stops_the_node_unacknowledged(
+    tmp_path: Path,
+) -> None:
+    """The leader's group commit runs on a worker thread (started before
+    the loop turns, NodeEnv.submit); a disk error there reaches the loop:
+    the write in flight fails as OutcomeUnknown (never acknowledged), the
+    node stops with the StorageFailed (DISK_FAILED), and it does not hang."""
+    h = Solo(tmp_path, ids=(1,))
+    n = await h.start()
+    try:
+        await until(n.leader_ready, what="the lone voter leads")
+        await asyncio.wait_for(n.submit(b"before"), 5)
+        st = h.storage
+        assert st is not None
+        assert any(t != threading.main_thread().name for t in st.sync_threads), st.sync_threads
+        st.fail_at_sync = st.syncs
+        with pytest.raises(OutcomeUnknown):
+            await asyncio.wait_for(n.submit(b"lost"), 5)
+        await asyncio.wait_for(n.failed.wait(), 5)
+        assert isinstance(n.fatal, StorageFailed)
+        assert b"lost" not in {data for _, _, data in h.sm.recent(1, 100)}
+    finally:
+        await n.stop()
 
 
 # ---------------------------------------------------------------------------

@@ -1276,12 +1276,11 @@ class Node:
         if not rd.must_sync:
             return False
         t = self._clock()
-        turned = True
-        if self._sync_inline(rd):
+        inline = self._sync_inline(rd)
+        if inline:
             st.sync()
             await self._maybe_flush()
             self.counters["inline_syncs"] += 1
-            turned = False
         elif r is not None:
             await self._write_and_apply(st, r, rd)
         else:
@@ -1291,7 +1290,7 @@ class Node:
         self._sync_s_max = max(self._sync_s_max, dt)
         self.counters["syncs"] += 1
         self.counters["synced_entries"] += len(rd.entries)
-        return turned
+        return not inline
 
     async def _write_and_apply(self, st: NodeStorage, r: RawNode, rd: Ready) -> None:
         """A leader's group commit, with acknowledgements taken in meanwhile.

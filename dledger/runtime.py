@@ -185,7 +185,11 @@ class Offload(Protocol):
 OnDone = Callable[[BaseException | None], None]
 Submit = Callable[[Callable[[], None], OnDone], None]
 
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+# One pool for the process (its threads start on first use): a node has at
+# most one group commit in flight, so its commits reuse one idle thread.
+_POOL = concurrent.futures.ThreadPoolExecutor(
+    max_workers=(os.cpu_count() or 1) + 4, thread_name_prefix="dledger-io"
+)
 
 
 def submit_to_thread(fn: Callable[[], None], on_done: OnDone) -> None:
@@ -194,10 +198,7 @@ def submit_to_thread(fn: Callable[[], None], on_done: OnDone) -> None:
     exception or None on the calling loop when it returns. The completion
     costs the loop one wake-up (its self-pipe) and one callback; awaiting
     ``asyncio.to_thread`` costs four turns of callbacks (the future chain,
-    the task, the waiter) before the awaiting code runs again. One pool
-    for the process: a node has at most one group commit in flight, so
-    its commits reuse one idle thread."""
-    global _POOL
+    the task, the waiter) before the awaiting code runs again."""
     loop = asyncio.get_running_loop()
 
     def run() -> None:
@@ -210,10 +211,6 @@ def submit_to_thread(fn: Callable[[], None], on_done: OnDone) -> None:
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(on_done, exc)
 
-    if _POOL is None:
-        _POOL = concurrent.futures.ThreadPoolExecutor(
-            max_workers=(os.cpu_count() or 1) + 4, thread_name_prefix="dledger-io"
-        )
     _POOL.submit(run)
 
 

@@ -131,13 +131,11 @@ class RaftLog:
 
     def is_up_to_date(self, last_index: int, last_term: int) -> bool:
         """Raft section 5.4.1: is a candidate's log at least as up to date as ours?"""
-        my_term = self.last_term()
-        return last_term > my_term or (last_term == my_term and last_index >= self.last_index())
+        return (last_term, last_index) >= (self.last_term(), self.last_index())
 
     def is_newer(self, last_index: int, last_term: int) -> bool:
         """Is a candidate's log strictly more up to date than ours?"""
-        my_term = self.last_term()
-        return last_term > my_term or (last_term == my_term and last_index > self.last_index())
+        return (last_term, last_index) > (self.last_term(), self.last_index())
 
     def conf_entries(self, lo: int, hi: int) -> list[Entry]:
         """The CONF_CHANGE entries of the stable log in [lo, hi): from the

@@ -677,7 +677,7 @@ async def test_a_link_goes_idle_only_after_its_last_frame(make: Factory) -> None
     """The idle timeout counts from the last byte received, not from when
     the connection opened or when the timer was last moved: a peer that
     talks for four timeouts stays, and is dropped within one timeout plus
-    one sweep (keepalive_interval: a quarter timeout here, plus scheduling) once
+    one sweep (keepalive_interval: a tenth of the timeout here, plus scheduling) once
     it falls silent, never sooner than one."""
     idle = 0.5  # long against a stall of this test process between writes
     a, got = await make(

@@ -196,10 +196,18 @@ class BrokerStateMachine(LogStateMachine):
 
     def discard_checkpoint(self) -> None:
         """Forget the stored state (it will be rebuilt from a snapshot and
-        the log): the checkpoint, the records and the index."""
+        the log): the checkpoint, the records and the index, and in memory
+        whatever :meth:`load_checkpoint` took back from it. The node refuses
+        a checkpoint that loaded fine when its applied index lies outside
+        the durable log (after a power loss in async mode, ahead of the
+        durable commit index); the state then starts empty again, or the
+        rebuild's first entry would meet the refused checkpoint's applied
+        index (a replica that stopped on "apply order broken")."""
         bodies = self.broker.bodies
         assert isinstance(bodies, DurableBodies)
         bodies.discard()
+        self.broker = BrokerState(self.broker.broker_name, bodies)
+        LogStateMachine.restore(self, LogStateMachine().snapshot())
 
     def compact_floor(self) -> int | None:
         """The lowest log index the log must keep: the entry holding the

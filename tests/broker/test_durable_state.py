@@ -73,6 +73,18 @@ def open_log(path: Path) -> LmdbStorage:
     return LmdbStorage(path, flush="async")
 
 
+def checkpoint_and_reopen(
+    storage: LmdbStorage, sm: BrokerStateMachine
+) -> tuple[LmdbStorage, BrokerStateMachine]:
+    """A durable checkpoint of ``sm``, a clean stop, and a new state machine
+    on the storage opened again (nothing loaded yet)."""
+    sm.checkpoint()
+    storage.sync()
+    storage.close()
+    storage = open_log(Path(storage.path))
+    return storage, durable_sm(storage)
+
+
 def feed(storage: LmdbStorage, sm: BrokerStateMachine, entries: list[Entry]) -> None:
     """What a node does: the entries are in the log before they are applied."""
     new = [e for e in entries if e.index > storage.last_index()]
@@ -171,12 +183,7 @@ def test_a_checkpoint_refused_after_loading_leaves_an_empty_state_to_rebuild(
     storage = open_log(tmp_path / "log")
     sm = durable_sm(storage)
     feed(storage, sm, log.entries)
-    sm.checkpoint()
-    storage.sync()
-    storage.close()
-
-    storage = open_log(tmp_path / "log")
-    back = durable_sm(storage)
+    storage, back = checkpoint_and_reopen(storage, sm)
     assert back.load_checkpoint() == log.entries[-1].index
     back.discard_checkpoint()  # what Node._load_checkpoint does when it refuses it
     assert back.last_applied == 0 and back.broker.applied_index == 0
@@ -261,11 +268,7 @@ def test_a_restored_snapshot_replaces_the_stored_state(tmp_path: Path) -> None:
     assert durable_sm(storage).load_checkpoint() is None  # rebuild, never a mix
     sm = durable_sm(storage)
     sm.restore(snap)
-    sm.checkpoint()
-    storage.sync()
-    storage.close()
-    storage = open_log(tmp_path / "log")
-    back = durable_sm(storage)
+    storage, back = checkpoint_and_reopen(storage, sm)
     assert back.load_checkpoint() == log.entries[-1].index
     assert answers(back.broker) == answers(leader)
     storage.close()

@@ -33,7 +33,7 @@ from broker_adapter import (
     encode_topic,
 )
 from broker_adapter import state as state_mod
-from broker_adapter.bodies import BodyMissing, LmdbBodies, MemoryBodies
+from broker_adapter.bodies import Bodies, BodyMissing, LmdbBodies, MemoryBodies
 from broker_adapter.errors import OffsetOutOfRange
 from broker_adapter.state import ReadColumns, ReadResult
 from dledger.core.types import Entry
@@ -364,10 +364,11 @@ def test_size_retention_in_chunks_drops_what_one_head_at_a_time_drops(
         assert stored(new.bodies) == stored(ref.bodies)  # the dropped rows went too
 
 
-def stored(b: LmdbBodies | MemoryBodies) -> Any:
+def stored(b: Bodies) -> Any:
     """Every record and index row a bodies store holds."""
     if isinstance(b, MemoryBodies):
         return dict(b._d), dict(b._idx)
+    assert isinstance(b, LmdbBodies)
     b.commit()
     env, db, idx = b._open()
     with env.begin() as txn:

@@ -167,6 +167,8 @@ class SimStorage(MemoryStorage):
         self.map_growths = 0
         self._committed: Any = None
         self._last_flush_s: float | None = None
+        self._behind = 0  # syncs since the last catch-up (sync mode)
+        self.catch_ups = 0
 
     # -- checked writes ----------------------------------------------------
     def append(self, entries: Sequence[Entry]) -> None:
@@ -192,8 +194,16 @@ class SimStorage(MemoryStorage):
     def epoch_map(self) -> dict[int, int]:
         return {}
 
-    def sync(self) -> None:
+    def sync(self, *, catch_up: bool = True) -> None:
         self.write_txns += 1
+        if self.flush_mode == "sync":
+            # LmdbStorage's catch-up of its write-ahead log, which a follower
+            # runs after sending its answers (Node._catch_up): due every few
+            # syncs here, so the simulated nodes take that path too. Nothing
+            # becomes more durable by it (sync() already made all of it so).
+            self._behind += 1
+            if catch_up and self._behind >= self.CATCH_UP_EVERY:
+                self._behind = 0
         if self.no_fsync:
             return
         if self.flush_mode == "async":
@@ -206,6 +216,16 @@ class SimStorage(MemoryStorage):
             self._committed = None
             self.flushes += 1
         super().sync()
+
+    CATCH_UP_EVERY = 5
+
+    def catch_up_due(self) -> bool:
+        return self._behind >= self.CATCH_UP_EVERY
+
+    def checkpoint(self) -> bool:
+        self._behind = 0
+        self.catch_ups += 1
+        return True
 
     def flush_pending(self) -> bool:
         return self.flush_mode == "async" and self._committed is not None

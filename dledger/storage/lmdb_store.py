@@ -166,6 +166,7 @@ import bisect
 import contextlib
 import logging
 import os
+import random
 import struct
 import threading
 import time
@@ -223,18 +224,30 @@ _META_WAL = b"wal"  # the last write-ahead log record this image covers
 # WAL_MAX_BYTES. A batch whose new entries exceed WAL_RECORD_MAX goes
 # straight to LMDB (a catch-up, a snapshot's worth: writing it twice would
 # cost more than the second flush it saves).
-# The size bound is what keeps a catch-up commit short under load: the
-# commit runs inside a group commit (the leader's proposals wait for it, a
-# follower acknowledges nothing meanwhile), and its time grows with what it
-# covers. At 45k msg/s (batched, half of saturation here) 8 MiB made one
+# The size bound is what keeps a catch-up commit short under load: a
+# leader's runs inside its group commit (its answers wait for it), and its
+# time grows with what it covers. A follower calls sync(catch_up=False) and
+# checkpoint() once its acknowledgement has left (Node._defers_catch_up):
+# before that, its small batches synced on the event loop took the catch-up
+# along whenever their record made the log due, and the loop stood still for
+# 7-12 ms several times a second under load. At 45k msg/s (batched, half of saturation here) 8 MiB made one
 # 15-17 ms commit every 0.5 s, which set the produce p99 (19-25 ms); 1 MiB
 # makes one of 5-6 ms every 0.17 s: p99 12-16 ms, closed-loop batched p99
 # 35-39 -> 17-19 ms, throughput unchanged (issue 17's note, 2026-11-28).
 # Below 1 MiB the extra commits (two flushes each) start to cost throughput
 # (512 KiB: 4% less batched). At low rates the interval decides, as before.
+# Each replica catches up at a random share (CATCH_UP_SHARE_MIN..1) of both
+# bounds, drawn anew after every catch-up (see _wal_due).
 WAL_COMMIT_INTERVAL_S = 0.5
 WAL_MAX_BYTES = 1 << 20
 WAL_RECORD_MAX = 1 << 20
+CATCH_UP_SHARE_MIN = 0.75
+
+
+def _catch_up_share() -> float:
+    return CATCH_UP_SHARE_MIN + (1.0 - CATCH_UP_SHARE_MIN) * random.random()
+
+
 # The log's own databases plus these many for the owner's state (side_db).
 MAX_SIDE_DBS = 4
 _OWN_DBS = (b"log", b"meta", b"epochs", b"logparts")
@@ -608,6 +621,7 @@ class LmdbStorage:
         self._wal_hs = hs
         self._wal_seq = 0
         self._wal_behind_s: float | None = None  # first record LMDB has not covered
+        self._catch_up_share = _catch_up_share()  # see _wal_due
 
         # Async flushing.
         self._unflushed = False
@@ -1314,10 +1328,16 @@ class LmdbStorage:
             or bool(self._side_pending)
         )
 
-    def sync(self) -> None:
+    def sync(self, *, catch_up: bool = True) -> None:
         """Make the buffered batch durable: one write-ahead log record (sync
         mode, see "Write-ahead log") or one LMDB transaction (in async mode
-        committed to the page cache only, see the module doc)."""
+        committed to the page cache only, see the module doc).
+
+        With ``catch_up=False`` a batch that goes to the log never takes
+        LMDB's catch-up with it, even when one is due: the caller answers
+        for the batch first and then runs :meth:`checkpoint` when
+        :meth:`catch_up_due` says so (a follower does, so that its
+        acknowledgement does not wait for a commit of a mebibyte)."""
         if self._closed:
             raise ValueError(f"storage in {self.path} is closed")
         if self._failed is not None:
@@ -1327,9 +1347,15 @@ class LmdbStorage:
         if self._loggable():
             if self._wal_from is not None or self._hs != self._wal_hs:
                 self._log_batch()
-            if not self._wal_due():
+            if not catch_up or not self._wal_due():
                 return
         self._commit()
+
+    def catch_up_due(self) -> bool:
+        """Whether LMDB should now take what only the write-ahead log holds
+        (:meth:`checkpoint`), nothing being buffered that a ``sync()`` has
+        not taken yet."""
+        return self._failed is None and self._wal_due() and not self._unsynced()
 
     def _loggable(self) -> bool:
         """Whether the batch may go to the write-ahead log: appends, cuts at
@@ -1358,13 +1384,18 @@ class LmdbStorage:
         return True
 
     def _wal_due(self) -> bool:
-        """Whether LMDB should now cover what the write-ahead log holds."""
+        """Whether LMDB should now cover what the write-ahead log holds.
+        Both bounds are scaled by this cycle's ``_catch_up_share`` (drawn
+        after every catch-up): replicas fed the same entries would otherwise
+        catch up at the same entry, so a leader's two followers stalled
+        together and its commits waited for both."""
         since = self._wal_behind_s
         if since is None:
             return False
         w = self._wal
         assert w is not None
-        return w.size >= WAL_MAX_BYTES or time.monotonic() - since >= WAL_COMMIT_INTERVAL_S
+        f = self._catch_up_share
+        return w.size >= WAL_MAX_BYTES * f or time.monotonic() - since >= WAL_COMMIT_INTERVAL_S * f
 
     def _log_batch(self) -> None:
         """Append the changes since the last record to the write-ahead log
@@ -1427,6 +1458,7 @@ class LmdbStorage:
         self._wal_from = None
         self._wal_hs = self._hs
         self._wal_behind_s = None
+        self._catch_up_share = _catch_up_share()
         if self._wal is not None:
             try:
                 self._wal.reset()
@@ -1478,14 +1510,15 @@ class LmdbStorage:
             or bool(self._side_pending)
         )
 
-    def small_batch(self, max_bytes: int) -> bool:
+    def small_batch(self, max_bytes: int, *, catch_up: bool = True) -> bool:
         """Whether the buffered batch is a small append: new entries and side
         rows of at most ``max_bytes`` together, and nothing deleted at either
         end of the log or a snapshot to record. Such a commit touches a few
         pages, so its caller may run :meth:`sync` without a thread hop. With
         the write-ahead log, what counts is what this sync() writes: the
-        entries since the last record, unless LMDB is due to catch up."""
-        if self._loggable() and not self._wal_due():
+        entries since the last record, unless LMDB is due to catch up (and
+        ``catch_up``: the same as the ``sync()`` to come gets)."""
+        if self._loggable() and (not catch_up or not self._wal_due()):
             return self._unlogged_within(max_bytes)
         if self._snap_pending is not None or self._front_dirty:
             return False

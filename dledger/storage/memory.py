@@ -117,11 +117,18 @@ class MemoryStorage:
         self._hs = hs
 
     # -- durability --------------------------------------------------------
-    def small_batch(self, max_bytes: int) -> bool:
+    def small_batch(self, max_bytes: int, *, catch_up: bool = True) -> bool:
         """No I/O here: every batch is cheap to sync."""
         return True
 
-    def sync(self) -> None:
+    def catch_up_due(self) -> bool:
+        """No second store to catch up (LmdbStorage's write-ahead log)."""
+        return False
+
+    def checkpoint(self) -> bool:
+        return True
+
+    def sync(self, *, catch_up: bool = True) -> None:
         self._durable = (
             list(self._entries),
             self._offset,

@@ -31,7 +31,7 @@ class AsyncStorage(MemoryStorage):
     """A log in async flush mode: ``sync()`` (the Ready's) does not reach
     the disk; only ``flush()`` (the interval's fsync) does."""
 
-    def sync(self) -> None:
+    def sync(self, *, catch_up: bool = True) -> None:
         pass
 
     def flush(self) -> None:

@@ -305,7 +305,7 @@ class Node:
             "readies": 0,
             "syncs": 0,
             "inline_syncs": 0,
-            "deferred_catch_ups": 0,  # a follower's LMDB catch-ups after its answers (_catch_up)
+            "deferred_catch_ups": 0,  # LMDB catch-ups after a Ready's answers (_catch_up)
             "early_applies": 0,
             "mid_write_applies": 0,
             "synced_entries": 0,
@@ -378,7 +378,7 @@ class Node:
         self._loop_cpu_s_max = 0.0
         # The last pass stopped at its budget with Readies left: no waiting.
         self._pass_cut = False
-        self._catch_up_due = False  # a follower's deferred catch-up (_defers_catch_up)
+        self._catch_up_due = False  # LMDB's catch-up, left for after the answers (_catch_up)
         # Per pass: how late it started (vs. the tick it was due for) plus how
         # long it ran; a long one means ticks, heartbeats and lease checks
         # waited that long.
@@ -1043,13 +1043,13 @@ class Node:
                     if rd.snapshot is not None:
                         self._send(rd, early=True)
                     self._send(rd, early=False)
-                    if self._catch_up_due:
-                        await self._catch_up()  # the acknowledgements leave first
                     self._send_snapshots(rd)
                     conf_applied = self._apply(rd, entries=not early)
                     r.advance(rd)
                     self._after_advance(r, rd, conf_applied)
                     self._maybe_checkpoint()
+                    if self._catch_up_due:
+                        await self._catch_up(r, rd)  # after the Ready's answers
                     if rd.snapshot is not None:
                         self._update_peers(r)
                     for to, ok in self._snap_reports:
@@ -1288,9 +1288,8 @@ class Node:
         elif r is not None:
             await self._write_and_apply(st, r, rd)
         else:
-            await self.env.offload(self._sync_blocking, st, self._defers_catch_up())
-        if self._defers_catch_up():
-            self._catch_up_due = st.catch_up_due()
+            await self.env.offload(self._sync_blocking, st)
+        self._catch_up_due = st.catch_up_due()
         dt = self._clock() - t
         self._sync_s_total += dt
         self._sync_s_max = max(self._sync_s_max, dt)
@@ -1298,7 +1297,13 @@ class Node:
         self.counters["synced_entries"] += len(rd.entries)
         return not inline
 
-    async def _write_and_apply(self, st: NodeStorage, r: RawNode, rd: Ready) -> None:
+    async def _write_and_apply(
+        self,
+        st: NodeStorage,
+        r: RawNode,
+        rd: Ready,
+        job: Callable[[], None] | None = None,
+    ) -> None:
         """A leader's group commit, with acknowledgements taken in meanwhile.
 
         While the write runs in its thread, same-term APP_RESP and
@@ -1309,7 +1314,8 @@ class Node:
         (``take_durable_committed``): an answer no longer waits for the
         group commit of the entries proposed after it. ``rd``'s own
         committed entries were applied before the write (``_apply_early``),
-        so the order of application holds."""
+        so the order of application holds. ``job``: what runs in the thread
+        instead of the Ready's write (``_catch_up``, after ``advance``)."""
         outcome: list[BaseException | None] = []
 
         def written(exc: BaseException | None) -> None:
@@ -1319,16 +1325,20 @@ class Node:
         # Started here, before the loop turns: the fsync runs while this
         # turn's appends are written to the followers (the transport
         # writes them after this task yields), not after them.
-        self.env.submit(functools.partial(self._sync_blocking, st), written)
+        self.env.submit(job or functools.partial(self._sync_blocking, st), written)
         inbox = self._inbox
         max_bytes = self.cfg.max_apply_bytes
+        # After advance (a catch-up), what advance itself committed (our own
+        # copy counting now) is answered at once, before any new message.
+        look = job is not None
         while True:
             self._wake.clear()  # before looking: a message or the write's end wakes us
             stepped = 0
             while inbox and _mid_write_input(inbox[0], r):
                 r.step(inbox.popleft())
                 stepped += 1
-            if stepped:
+            if stepped or look:
+                look = False
                 self._pass_msgs += stepped
                 ents = r.take_durable_committed(rd, max_bytes)
                 if ents:
@@ -1558,30 +1568,32 @@ class Node:
         if sm.checkpoint_durable(self._ckpt_seq):
             self._ckpt_seq = None
 
-    def _sync_blocking(self, st: NodeStorage, defer_catch_up: bool = False) -> None:
-        st.sync(catch_up=not defer_catch_up)
+    def _sync_blocking(self, st: NodeStorage) -> None:
+        # Never LMDB's catch-up here: _catch_up runs it after the answers.
+        st.sync(catch_up=False)
         st.maybe_flush(self._clock())  # async mode: fsync once per interval
 
-    def _defers_catch_up(self) -> bool:
-        """Whether this node's group commits leave the storage's catch-up
-        (LMDB taking what only its write-ahead log holds) until after the
-        Ready's messages are sent: a follower's, whose acknowledgement is on
-        the commit path of every write and would otherwise wait for a commit
-        of up to a mebibyte (7-8 ms here, several times a second under load;
-        the inline ones blocked the loop for as long). A leader's catch-up
-        stays inside its group commit, in its thread, where acknowledgements
-        are stepped meanwhile (``_write_and_apply``)."""
-        return self.role is not Role.LEADER
-
-    async def _catch_up(self) -> None:
-        """The catch-up a follower's group commit left (``_defers_catch_up``),
-        after its acknowledgements left: in a thread, the pass waiting for
-        it (nothing else writes to the storage meanwhile, as during any
-        group commit in a thread)."""
+    async def _catch_up(self, r: RawNode, rd: Ready) -> None:
+        """LMDB's catch-up (taking what only the storage's write-ahead log
+        holds, a commit of up to a mebibyte: 5-8 ms here under load, several
+        times a second), which group commits leave (``sync(catch_up=False)``)
+        until their Ready's answers are out: a follower's acknowledgement is
+        on the commit path of every write, and a leader's answers to the
+        clients whose entries the Ready wrote. It runs in a thread after
+        ``advance``, the pass waiting for it, so nothing else writes to the
+        storage meanwhile (as during any group commit in a thread). A leader
+        steps acknowledgements and applies and answers what they commit
+        meanwhile (``_write_and_apply``: every entry is durable here now).
+        Before, a follower's small batch synced on the loop took the catch-up
+        along whenever its record made the log due: its loop stood still for
+        7-12 ms and its acknowledgement waited (issue 17's note)."""
         self._catch_up_due = False
         st = self._storage
         assert st is not None
-        await self.env.offload(st.checkpoint)
+        if r.role is Role.LEADER and rd.snapshot is None:
+            await self._write_and_apply(st, r, rd, functools.partial(_catch_up_blocking, st))
+        else:
+            await self.env.offload(_catch_up_blocking, st)
         self.counters["deferred_catch_ups"] += 1
 
     async def _maybe_flush(self) -> None:
@@ -1818,6 +1830,10 @@ def _compact_step_end(st: NodeStorage, first: int, upto: int) -> int:
     except StorageCorrupted:
         return upto
     return lo
+
+
+def _catch_up_blocking(st: NodeStorage) -> None:
+    st.checkpoint()  # False: a sync() is due first, which catches up itself
 
 
 def _mid_write_input(m: Message, r: RawNode) -> bool:

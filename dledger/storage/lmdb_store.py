@@ -80,8 +80,12 @@ CRC-framed record to the file ``wal`` (:mod:`dledger.storage.wal`) and
 fsyncs it: 0.2-0.4 ms. The batch stays in the in-memory view, so reads see
 it as before, and LMDB takes everything logged in one ordinary commit at
 most ``WAL_COMMIT_INTERVAL_S`` later (or when the file reaches
-``WAL_MAX_BYTES``), recording the number of the last record it covers
-under ``wal`` in the meta db; the file is then emptied. A batch that LMDB
+``WAL_MAX_BYTES``; each bound scaled by a random share drawn per cycle),
+recording the number of the last record it covers under ``wal`` in the
+meta db; the file is then emptied. That catch-up runs inside the
+``sync()`` that finds it due, or, with ``sync(catch_up=False)``, when the
+caller runs :meth:`LmdbStorage.checkpoint` after :meth:`catch_up_due`
+said so (the node does, once the group commit's answers are out). A batch that LMDB
 must see at once goes there directly, with everything logged before it: a
 snapshot, a compaction, the owner's side rows, or more than
 ``WAL_RECORD_MAX`` bytes of entries. Opening replays the records past the
@@ -224,13 +228,13 @@ _META_WAL = b"wal"  # the last write-ahead log record this image covers
 # WAL_MAX_BYTES. A batch whose new entries exceed WAL_RECORD_MAX goes
 # straight to LMDB (a catch-up, a snapshot's worth: writing it twice would
 # cost more than the second flush it saves).
-# The size bound is what keeps a catch-up commit short under load: a
-# leader's runs inside its group commit (its answers wait for it), and its
-# time grows with what it covers. A follower calls sync(catch_up=False) and
-# checkpoint() once its acknowledgement has left (Node._defers_catch_up):
-# before that, its small batches synced on the event loop took the catch-up
-# along whenever their record made the log due, and the loop stood still for
-# 7-12 ms several times a second under load. At 45k msg/s (batched, half of saturation here) 8 MiB made one
+# The size bound is what keeps a catch-up commit short under load: the node
+# calls sync(catch_up=False) for a group commit and checkpoint() once the
+# Ready's answers are out (Node._catch_up), but the next group commit waits
+# for it, and its time grows with what it covers. (Before, a follower's small
+# batches synced on the event loop took the catch-up along whenever their
+# record made the log due: the loop stood still for 7-12 ms several times a
+# second under load, and the acknowledgement waited.) At 45k msg/s (batched, half of saturation here) 8 MiB made one
 # 15-17 ms commit every 0.5 s, which set the produce p99 (19-25 ms); 1 MiB
 # makes one of 5-6 ms every 0.17 s: p99 12-16 ms, closed-loop batched p99
 # 35-39 -> 17-19 ms, throughput unchanged (issue 17's note, 2026-11-28).

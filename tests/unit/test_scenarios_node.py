@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -450,6 +451,58 @@ async def test_a_follower_acknowledges_before_lmdb_catches_up_and_never_on_the_l
     assert not planted, "the planted catch-up inside the loop's sync went unnoticed"
     _, on_disk = h.on_disk()
     assert [(e.index, e.data) for e in on_disk] == [(e.index, e.data) for e in ents]
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["node", "planted-catch-up-in-sync"])
+async def test_a_leader_answers_while_lmdb_catches_up(
+    tmp_path: Path, planted: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A leader's catch-up (made 50 ms slow here: half an election timeout)
+    runs after the group commit that made it due, with acknowledgements
+    stepped meanwhile: by the time it ends, the writes it covers have been
+    answered. Planted: the group commit takes the catch-up along (as
+    before), and none of those writes is answered before it ends."""
+    monkeypatch.setattr(lmdb_store, "WAL_MAX_BYTES", 4000)
+    monkeypatch.setattr(lmdb_store, "CATCH_UP_SHARE_MIN", 1.0)
+    h = Solo(tmp_path)
+    n = await h.start()
+    answered: list[int] = []  # entry indexes, in the order their writes were answered
+    covered_answered: list[bool] = []  # per catch-up: its last entry answered when it ended
+    try:
+        h.peers.respond = obliging(2, 3)
+        await until(n.leader_ready, what="node 1 leads and its no-op committed")
+        st = h.storage
+        assert st is not None and isinstance(st.real, LmdbStorage)
+        real = st.real
+        real_commit = real._commit
+
+        def slow_commit() -> None:
+            covered = real.last_index()
+            time.sleep(0.05)
+            covered_answered.append(max(answered, default=0) >= covered)
+            real_commit()
+
+        monkeypatch.setattr(real, "_commit", slow_commit)
+        if planted:
+            real_sync = st.sync
+
+            def sync_as_before(*, catch_up: bool = True) -> None:
+                real_sync(catch_up=True)
+
+            monkeypatch.setattr(st, "sync", sync_as_before)
+        for k in range(12):
+            res = await asyncio.wait_for(n.submit(b"x" * 1000 + b"%d" % k), 5)
+            answered.append(res.index)
+        assert len(covered_answered) >= 2, covered_answered
+        if planted:
+            assert not any(covered_answered), "the planted catch-up in the group commit went unseen"
+            return
+        assert all(covered_answered), covered_answered
+        assert n.counters["deferred_catch_ups"] == len(covered_answered)
+    finally:
+        await n.stop()
+    _, on_disk = h.on_disk()
+    assert sum(1 for e in on_disk if e.data.startswith(b"x" * 1000)) == 12
 
 
 async def test_a_write_acknowledged_to_a_client_is_on_the_leaders_disk(tmp_path: Path) -> None:

@@ -1833,7 +1833,10 @@ def _compact_step_end(st: NodeStorage, first: int, upto: int) -> int:
 
 
 def _catch_up_blocking(st: NodeStorage) -> None:
-    st.checkpoint()  # False: a sync() is due first, which catches up itself
+    # False: writes are buffered that no sync() took yet (side rows the
+    # checkpoint staged): that sync() commits LMDB itself (they are not
+    # loggable), or the next Ready asks catch_up_due() again.
+    st.checkpoint()
 
 
 def _mid_write_input(m: Message, r: RawNode) -> bool:

@@ -378,7 +378,6 @@ class Node:
         self._loop_cpu_s_max = 0.0
         # The last pass stopped at its budget with Readies left: no waiting.
         self._pass_cut = False
-        self._catch_up_due = False  # LMDB's catch-up, left for after the answers (_catch_up)
         # Per pass: how late it started (vs. the tick it was due for) plus how
         # long it ran; a long one means ticks, heartbeats and lease checks
         # waited that long.
@@ -1048,7 +1047,7 @@ class Node:
                     r.advance(rd)
                     self._after_advance(r, rd, conf_applied)
                     self._maybe_checkpoint()
-                    if self._catch_up_due:
+                    if self._storage is not None and self._storage.catch_up_due():
                         await self._catch_up(r, rd)  # after the Ready's answers
                     if rd.snapshot is not None:
                         self._update_peers(r)
@@ -1289,7 +1288,6 @@ class Node:
             await self._write_and_apply(st, r, rd)
         else:
             await self.env.offload(self._sync_blocking, st)
-        self._catch_up_due = st.catch_up_due()
         dt = self._clock() - t
         self._sync_s_total += dt
         self._sync_s_max = max(self._sync_s_max, dt)
@@ -1371,7 +1369,7 @@ class Node:
         if limit <= 0 or self.role is Role.LEADER or rd.snapshot is not None:
             return False
         st = self._storage
-        return st is not None and st.small_batch(limit, catch_up=False)
+        return st is not None and st.small_batch(limit)
 
     def _install_snapshot(
         self, st: NodeStorage, snap: Snapshot, restored: Callable[[], None] | None = None
@@ -1587,7 +1585,6 @@ class Node:
         Before, a follower's small batch synced on the loop took the catch-up
         along whenever its record made the log due: its loop stood still for
         7-12 ms and its acknowledgement waited (issue 17's note)."""
-        self._catch_up_due = False
         st = self._storage
         assert st is not None
         if r.role is Role.LEADER and rd.snapshot is None:

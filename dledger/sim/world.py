@@ -197,8 +197,8 @@ class SimStorage(MemoryStorage):
     def sync(self, *, catch_up: bool = True) -> None:
         self.write_txns += 1
         if self.flush_mode == "sync":
-            # LmdbStorage's catch-up of its write-ahead log, which a follower
-            # runs after sending its answers (Node._catch_up): due every few
+            # LmdbStorage's catch-up of its write-ahead log, which a node runs
+            # after its group commit's answers (Node._catch_up): due every few
             # syncs here, so the simulated nodes take that path too. Nothing
             # becomes more durable by it (sync() already made all of it so).
             self._behind += 1

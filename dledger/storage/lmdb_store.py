@@ -234,8 +234,8 @@ _META_WAL = b"wal"  # the last write-ahead log record this image covers
 # for it, and its time grows with what it covers. (Before, a follower's small
 # batches synced on the event loop took the catch-up along whenever their
 # record made the log due: the loop stood still for 7-12 ms several times a
-# second under load, and the acknowledgement waited.) At 45k msg/s (batched, half of saturation here) 8 MiB made one
-# 15-17 ms commit every 0.5 s, which set the produce p99 (19-25 ms); 1 MiB
+# second under load, and the acknowledgement waited.) At 45k msg/s (batched,
+# half of saturation here) 8 MiB made one 15-17 ms commit every 0.5 s, which set the produce p99 (19-25 ms); 1 MiB
 # makes one of 5-6 ms every 0.17 s: p99 12-16 ms, closed-loop batched p99
 # 35-39 -> 17-19 ms, throughput unchanged (issue 17's note, 2026-11-28).
 # Below 1 MiB the extra commits (two flushes each) start to cost throughput
@@ -1514,15 +1514,14 @@ class LmdbStorage:
             or bool(self._side_pending)
         )
 
-    def small_batch(self, max_bytes: int, *, catch_up: bool = True) -> bool:
+    def small_batch(self, max_bytes: int) -> bool:
         """Whether the buffered batch is a small append: new entries and side
         rows of at most ``max_bytes`` together, and nothing deleted at either
         end of the log or a snapshot to record. Such a commit touches a few
         pages, so its caller may run :meth:`sync` without a thread hop. With
-        the write-ahead log, what counts is what this sync() writes: the
-        entries since the last record, unless LMDB is due to catch up (and
-        ``catch_up``: the same as the ``sync()`` to come gets)."""
-        if self._loggable() and (not catch_up or not self._wal_due()):
+        the write-ahead log, what counts is what ``sync(catch_up=False)``
+        (the node's) writes: the entries since the last record."""
+        if self._loggable():
             return self._unlogged_within(max_bytes)
         if self._snap_pending is not None or self._front_dirty:
             return False

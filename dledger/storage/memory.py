@@ -117,7 +117,7 @@ class MemoryStorage:
         self._hs = hs
 
     # -- durability --------------------------------------------------------
-    def small_batch(self, max_bytes: int, *, catch_up: bool = True) -> bool:
+    def small_batch(self, max_bytes: int) -> bool:
         """No I/O here: every batch is cheap to sync."""
         return True
 

@@ -126,6 +126,9 @@ class Crashable:
         self.commits_in_loop_syncs = 0
         self.catch_up_threads: list[str] = []  # the threads checkpoint() ran on
         self.on_checkpoint: Callable[[], None] | None = None
+        # planted: every sync() takes LMDB's catch-up along, as before the node
+        # left it for after the answers
+        self.catch_up_in_sync = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.real, name)
@@ -152,7 +155,7 @@ class Crashable:
             raise StorageFailed("injected: fsync returned EIO")
         if not self.crashed:
             before = self.lmdb_commits
-            self.real.sync(catch_up=catch_up)
+            self.real.sync(catch_up=catch_up or self.catch_up_in_sync)
             if threading.current_thread() is threading.main_thread():
                 self.commits_in_loop_syncs += self.lmdb_commits - before
             self.syncs += 1
@@ -416,13 +419,7 @@ async def test_a_follower_acknowledges_before_lmdb_catches_up_and_never_on_the_l
     try:
         st = h.storage
         assert st is not None
-        if planted:
-            real_sync = st.sync
-
-            def sync_as_before(*, catch_up: bool = True) -> None:
-                real_sync(catch_up=True)
-
-            monkeypatch.setattr(st, "sync", sync_as_before)
+        st.catch_up_in_sync = planted
         st.on_checkpoint = lambda: acked_at_catch_up.append(
             max((m.index for m in h.peers.sent if m.type is MsgType.APP_RESP), default=0)
         )
@@ -483,13 +480,7 @@ async def test_a_leader_answers_while_lmdb_catches_up(
             real_commit()
 
         monkeypatch.setattr(real, "_commit", slow_commit)
-        if planted:
-            real_sync = st.sync
-
-            def sync_as_before(*, catch_up: bool = True) -> None:
-                real_sync(catch_up=True)
-
-            monkeypatch.setattr(st, "sync", sync_as_before)
+        st.catch_up_in_sync = planted
         for k in range(12):
             res = await asyncio.wait_for(n.submit(b"x" * 1000 + b"%d" % k), 5)
             answered.append(res.index)

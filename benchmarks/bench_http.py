@@ -334,7 +334,8 @@ def run_http_produce(ctx: Context) -> BenchResult:
                 )
             res.raw["profiles"] = prof
     res.notes.append(
-        "The load generator (aiohttp, one process) shares the machine's cores with the "
+        "The load generator (the lean HTTP/1.1 client of benchmarks.loadgen, one process) "
+        "shares the machine's cores with the "
         "three nodes; the peer's driver runs inside its leader and needs no client."
     )
     return res

@@ -16,8 +16,8 @@ In every round, for each system, with 100-byte messages:
   workload, divided by the messages acknowledged).
 
 Ours and etcd are driven by the same generator,
-:func:`benchmarks.loadgen.closed_loop` (aiohttp, keep-alive, in this
-process); JetStream by :func:`benchmarks.peer_nats.closed_loop` (nats-py,
+:func:`benchmarks.loadgen.closed_loop` (its lean HTTP/1.1 client, keep-alive,
+in this process); JetStream by :func:`benchmarks.peer_nats.closed_loop` (nats-py,
 same process and loop shape). The 1-minute load average is recorded at the
 start and end of every round.
 """
@@ -261,7 +261,9 @@ def run_vs_etcd(ctx: Context) -> BenchResult:
     res.notes += [
         f"etcd {cfg['version']}, 3 members, default settings: {peer_etcd.DURABILITY}; ours "
         'flush = "sync" (fsync per group commit before acknowledging).',
-        "etcd is driven through its JSON gateway with the same aiohttp generator as ours, "
+        "etcd is driven through its JSON gateway with the same generator as ours (the lean "
+        "HTTP/1.1 client of benchmarks.loadgen, about 45 us of CPU per request; aiohttp's "
+        "client, used before 2026-11-28, cost 4x that and held etcd back more than ours), "
         "at its leader: one message = POST /v3/kv/put (one key rewritten, a new revision "
         "each time), a batch of 100 = POST /v3/kv/txn with 100 puts in `success` (one Raft "
         "entry). Ours gets the binary produce body (application/vnd.dledger.batch, what the "

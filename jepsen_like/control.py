@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import lmdb
 
 from jepsen_like import net
 
@@ -256,13 +257,34 @@ _WAL_HEAD = struct.Struct("<IIQI")  # magic, body length, seq, crc32
 _WAL_MAGIC = 0xD1EDA1CE
 
 
-def wal_records(data: bytes) -> list[tuple[int, int, int]]:
+def wal_key(data_dir: Path) -> int:
+    """The key a stopped node's write-ahead log record CRCs start from (kept
+    in its LMDB meta database, sealed with a CRC32; 0 when there is none,
+    as in stores logged before keys existed). Read with the lmdb package,
+    not the server's code."""
+    if not (data_dir / "data.mdb").exists():
+        return 0
+    env = lmdb.open(str(data_dir), readonly=True, lock=False, max_dbs=16, subdir=True)
+    try:
+        with env.begin() as txn:
+            meta = env.open_db(b"meta", txn=txn, create=False)
+            raw = txn.get(b"wal_key", db=meta)
+    except lmdb.NotFoundError:
+        return 0
+    finally:
+        env.close()
+    if raw is None or len(raw) != 12:
+        return 0
+    return int.from_bytes(raw[:8], "big")
+
+
+def wal_records(data: bytes, key: int = 0) -> list[tuple[int, int, int]]:
     """(seq, start, end) of the whole records at the start of a node's
-    write-ahead log (the framing of dledger/storage/wal.py: magic,
-    length, sequence number, CRC32 of the first 16 bytes and the body, the
-    body, zero padding to 8 bytes), up to the first that is not whole and
-    CRC-valid; ``end`` excludes the padding. Parsed here rather than
-    imported: the harness does not import server code."""
+    write-ahead log (the framing of dledger/storage/wal.py: magic, length,
+    sequence number, CRC32 from the store's ``key`` of the first 16 bytes
+    and the body, the body, zero padding to 8 bytes), up to the first that
+    is not whole and CRC-valid; ``end`` excludes the padding. Parsed here
+    rather than imported: the harness does not import server code."""
     out: list[tuple[int, int, int]] = []
     off = 0
     while off + _WAL_HEAD.size <= len(data):
@@ -270,7 +292,8 @@ def wal_records(data: bytes) -> list[tuple[int, int, int]]:
         end = off + _WAL_HEAD.size + length
         if magic != _WAL_MAGIC or end > len(data):
             break
-        if zlib.crc32(data[off + _WAL_HEAD.size : end], zlib.crc32(data[off : off + 16])) != crc:
+        head_crc = zlib.crc32(data[off : off + 16], key)
+        if zlib.crc32(data[off + _WAL_HEAD.size : end], head_crc) != crc:
             break
         out.append((seq, off, end))
         off = end + (-(end - off) % 8)
@@ -596,7 +619,7 @@ class Cluster:
         assert not self.alive(node_id), "corrupt only a stopped node"
         wal_path = m.data_dir / "wal"
         try:
-            spans = wal_records(wal_path.read_bytes())
+            spans = wal_records(wal_path.read_bytes(), wal_key(m.data_dir))
         except OSError:
             spans = []
         if len(spans) >= 2 and rng.random() < 0.5:

@@ -221,6 +221,7 @@ _META_HARD_STATE = b"hard_state"
 _META_FRONT = b"front"
 _META_SNAPSHOT = b"snapshot"
 _META_WAL = b"wal"  # the last write-ahead log record this image covers
+_META_WAL_KEY = b"wal_key"  # what the log's record CRCs start from (dledger/storage/wal.py)
 
 # The write-ahead log (flush="sync", see dledger/storage/wal.py): LMDB is
 # committed at most this long after the first batch it has not covered yet,
@@ -621,6 +622,7 @@ class LmdbStorage:
         # the last record (None: nothing), the hard state that record holds,
         # the last record's number, and when LMDB last covered the log.
         self._wal: _wal.Wal | None = None
+        self._wal_key = 0  # what its record CRCs start from (_open_wal reads or makes it)
         self._wal_from: int | None = None
         self._wal_hs = hs
         self._wal_seq = 0
@@ -653,11 +655,13 @@ class LmdbStorage:
         into the view and commit them (see dledger/storage/wal.py)."""
         w = _wal.Wal(self.path, durable=durable)
         data = w.read()
-        if not data and not self._wal_on:
-            return  # async mode, and nothing logged in sync mode to replay
         with self._env.begin(buffers=True) as txn:
             covered = self._read_wal_covered(txn)
-        res = _wal.scan(data, covered, self.path)
+            key = self._read_wal_key(txn)
+        self._wal_key = key or 0
+        if not data and not self._wal_on:
+            return  # async mode, and nothing logged in sync mode to replay
+        res = _wal.scan(data, covered, self.path, self._wal_key)
         if res.torn:
             logger.warning(
                 "%s: the write-ahead log ends in a torn or damaged record (byte %d of %d); "
@@ -695,6 +699,35 @@ class LmdbStorage:
                 self.flush()  # before the log that held them is emptied
         if not self._wal_on:
             self._close_wal(reset=True)
+        elif key is None:
+            self._new_wal_key()
+
+    def _new_wal_key(self) -> None:
+        """Give a store that has none its write-ahead log key (a new store, or
+        one logged before keys existed, whose records were just read with
+        key 0 and are all covered now): durable before any record uses it,
+        and the log emptied of records under the old key."""
+        assert self._wal is not None
+        fresh = _wal.new_key()
+        self._write(
+            lambda txn: txn.put(
+                _META_WAL_KEY, _seal(_META_WAL_KEY, _KEY.pack(fresh)), db=self._meta_db
+            )
+        )
+        self._wal_key = fresh
+        try:
+            self._wal.reset()
+        except OSError as exc:
+            raise self._disk_failed("empty the write-ahead log", exc) from exc
+
+    def _read_wal_key(self, txn: lmdb.Transaction[memoryview]) -> int | None:
+        raw = txn.get(_META_WAL_KEY, db=self._meta_db)
+        if raw is None:
+            return None
+        body = _unseal(_META_WAL_KEY, raw, _KEY.size)
+        if body is None:
+            raise self._corrupt(None, "the write-ahead log key failed its CRC check")
+        return _unkey(body)
 
     def _read_wal_covered(self, txn: lmdb.Transaction[memoryview]) -> int:
         raw = txn.get(_META_WAL, db=self._meta_db)
@@ -1409,7 +1442,7 @@ class LmdbStorage:
         lo = self._wal_from
         ents = self._pending[lo - self._limit :] if lo is not None else []
         seq = self._wal_seq + 1
-        record = _wal.encode_record(seq, self._hs, lo or 0, ents)
+        record = _wal.encode_record(seq, self._hs, lo or 0, ents, self._wal_key)
         t0 = time.perf_counter()
         try:
             w.append(record)

@@ -20,7 +20,17 @@ A sequence of records, each starting at a multiple of 8 bytes::
     magic u32 | body length u32 | seq u64 | crc u32 | body | zero padding
 
 The CRC32 covers the first 16 header bytes and the body, so a flipped bit
-in the length or the sequence number is caught like one in the body.
+in the length or the sequence number is caught like one in the body. It
+starts from the store's *key*, 32 random bits drawn when the store first
+logs and kept in LMDB (never sent anywhere), instead of from zero: a body
+holds message payloads byte for byte, and a producer could otherwise put
+a whole, CRC-valid record with any sequence number inside one. Scanning
+never reads inside a whole record, but the check for rot below reads
+every 8-byte boundary after a damaged one, and there a forged record in
+the torn tail's own payload would pass for a later record of the log and
+refuse a replica that a power cut merely tore (with a key, a forgery
+passes with odds of 2**-32). Stores logged before the key existed read
+their records with key 0 (the plain CRC32) once, and get a key then.
 Sequence numbers grow by one from record to record and never restart
 (the LMDB image records the last one it covers), so a record left over from
 before the file was emptied is recognised by its number.
@@ -83,11 +93,19 @@ class WalRecord:
     entries: list[Entry]
 
 
+def new_key() -> int:
+    """A store's key (see the module doc): 32 random bits, never 0 (the
+    key of stores logged before keys existed)."""
+    return int.from_bytes(os.urandom(4), "little") or 1
+
+
 def _pad(n: int) -> int:
     return -n % ALIGN
 
 
-def encode_record(seq: int, hs: HardState, trunc_from: int, entries: Sequence[Entry]) -> bytes:
+def encode_record(
+    seq: int, hs: HardState, trunc_from: int, entries: Sequence[Entry], key: int = 0
+) -> bytes:
     parts = [_BODY.pack(hs.term, hs.vote, hs.commit, trunc_from, len(entries))]
     for e in entries:
         rec = encode_entry(e)
@@ -95,7 +113,7 @@ def encode_record(seq: int, hs: HardState, trunc_from: int, entries: Sequence[En
         parts.append(rec)
     body = b"".join(parts)
     head = _HEAD.pack(MAGIC, len(body), seq)
-    crc = zlib.crc32(body, zlib.crc32(head))
+    crc = zlib.crc32(body, zlib.crc32(head, key))
     return b"".join((head, _CRC.pack(crc), body, b"\0" * _pad(HEAD_SIZE + len(body))))
 
 
@@ -124,9 +142,9 @@ def decode_body(seq: int, body: bytes | memoryview) -> WalRecord:
     return WalRecord(seq, HardState(term=term, vote=vote, commit=commit), trunc_from, entries)
 
 
-def _record_at(data: bytes, off: int) -> tuple[int, int, memoryview] | None:
-    """(seq, end offset incl. padding, body) of a whole, CRC-valid record
-    starting at ``off``, else None."""
+def _record_at(data: bytes, off: int, key: int = 0) -> tuple[int, int, memoryview] | None:
+    """(seq, end offset incl. padding, body) of a whole record starting at
+    ``off`` whose CRC (started from ``key``) is valid, else None."""
     if off + HEAD_SIZE > len(data):
         return None
     magic, length, seq = _HEAD.unpack_from(data, off)
@@ -138,7 +156,7 @@ def _record_at(data: bytes, off: int) -> tuple[int, int, memoryview] | None:
         return None
     (crc,) = _CRC.unpack_from(data, off + _HEAD.size)
     mv = memoryview(data)
-    if zlib.crc32(mv[start:end], zlib.crc32(mv[off : off + _HEAD.size])) != crc:
+    if zlib.crc32(mv[start:end], zlib.crc32(mv[off : off + _HEAD.size], key)) != crc:
         return None
     return seq, end + _pad(HEAD_SIZE + length), mv[start:end]
 
@@ -150,13 +168,14 @@ class ScanResult:
     torn: bool  # bytes after ``end`` that are not a left-over log
 
 
-def scan(data: bytes, covered: int, path: str = "") -> ScanResult:
-    """Read the records of a WAL file's contents (see the module doc)."""
+def scan(data: bytes, covered: int, path: str = "", key: int = 0) -> ScanResult:
+    """Read the records of a WAL file's contents (see the module doc);
+    ``key``: the store's, which every record's CRC starts from."""
     records: list[tuple[int, memoryview]] = []
     off = 0
     prev: int | None = None
     while True:
-        got = _record_at(data, off)
+        got = _record_at(data, off, key)
         if got is None:
             break
         seq, end, body = got
@@ -175,7 +194,7 @@ def scan(data: bytes, covered: int, path: str = "") -> ScanResult:
     # A damaged record at ``off``: a torn tail, unless the log goes on after it.
     floor = max(covered, prev if prev is not None else 0)
     for later in range(off + ALIGN, len(data) - HEAD_SIZE + 1, ALIGN):
-        got = _record_at(data, later)
+        got = _record_at(data, later, key)
         if got is not None and got[0] > floor:
             raise StorageCorrupted(
                 f"the write-ahead log in {path} has a damaged record at byte {off} "

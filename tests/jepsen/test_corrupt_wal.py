@@ -21,7 +21,7 @@ from dledger.core.types import Entry
 from dledger.errors import StorageCorrupted
 from dledger.storage import wal
 from dledger.storage.lmdb_store import LmdbStorage
-from jepsen_like.control import Cluster, wal_records
+from jepsen_like.control import Cluster, wal_key, wal_records
 
 
 class _Stopped:
@@ -65,10 +65,12 @@ def _crashed_log(d: Path, records: int, per_record: int = 3) -> list[Entry]:
 def test_the_harness_reads_the_log_framing_as_the_node_does(tmp_path: Path) -> None:
     _crashed_log(tmp_path, 4)
     data = (tmp_path / wal.WAL_NAME).read_bytes()
-    spans = wal_records(data)
+    key = wal_key(tmp_path)
+    assert key != 0  # a new store logs under a key of its own
+    spans = wal_records(data, key)
     assert (
         [seq for seq, _, _ in spans]
-        == [seq for seq, _ in wal.scan(data, 0).records]
+        == [seq for seq, _ in wal.scan(data, 0, key=key).records]
         == [
             1,
             2,
@@ -78,14 +80,15 @@ def test_the_harness_reads_the_log_framing_as_the_node_does(tmp_path: Path) -> N
     )
     off = 0
     for seq, start, end in spans:
-        got = wal._record_at(data, start)
+        got = wal._record_at(data, start, key)
         assert start == off and got is not None and got[0] == seq
         assert end - start == wal.HEAD_SIZE + len(got[2])
         off = got[1]
-    assert wal_records(data[: spans[-1][2] - 1]) == spans[:3]  # a torn last record
+    assert wal_records(data[: spans[-1][2] - 1], key) == spans[:3]  # a torn last record
+    assert wal_records(data) == []  # without the key no record passes its CRC
     flipped = bytearray(data)
     flipped[spans[1][1] + 5] ^= 1  # in the length of record 2
-    assert wal_records(bytes(flipped)) == spans[:1]
+    assert wal_records(bytes(flipped), key) == spans[:1]
 
 
 @pytest.mark.parametrize("seed", range(12))

@@ -9,12 +9,14 @@ import logging
 import os
 from pathlib import Path
 
+import lmdb
 import pytest
 
 from dledger.core.types import Entry, HardState
 from dledger.errors import StorageCorrupted
 from dledger.storage import lmdb_store, wal
 from dledger.storage.lmdb_store import LmdbStorage
+from jepsen_like.control import wal_key
 
 
 def chain(first: int, terms: list[int], pos: int = 0, size: int = 16) -> list[Entry]:
@@ -39,11 +41,14 @@ def wal_bytes(d: Path) -> bytes:
     return (d / wal.WAL_NAME).read_bytes()
 
 
-def records(d: Path) -> list[tuple[int, int]]:
-    """(offset, seq) of each whole record in the file."""
+def records(d: Path, key: int | None = None) -> list[tuple[int, int]]:
+    """(offset, seq) of each whole record in the file; ``key``: the store's
+    (read from its stopped LMDB image when not given)."""
     data = wal_bytes(d)
+    if key is None:
+        key = wal_key(d)
     out, off = [], 0
-    while (got := wal._record_at(data, off)) is not None:
+    while (got := wal._record_at(data, off, key)) is not None:
         out.append((off, got[0]))
         off = got[1]
     return out
@@ -61,7 +66,7 @@ def test_sync_writes_one_record_and_lmdb_catches_up_later(tmp_path: Path) -> Non
     s.append(chain(4, [1], pos=end_pos(s)))
     s.sync()
     assert s.lmdb_commits == 0
-    assert [seq for _, seq in records(tmp_path)] == [1, 2]
+    assert [seq for _, seq in records(tmp_path, s._wal_key)] == [1, 2]
     assert s.wal_bytes == len(wal_bytes(tmp_path)) > 0
     with s.env.begin() as txn:  # LMDB does not hold the entries yet
         assert s.entry_in(txn, 1) is None
@@ -255,7 +260,7 @@ def test_a_big_batch_goes_straight_to_lmdb(tmp_path: Path, monkeypatch: pytest.M
     assert (s.lmdb_commits, wal_bytes(tmp_path)) == (1, b"")
     s.append(chain(6, [1], pos=end_pos(s)))
     s.sync()  # small: the log
-    assert s.lmdb_commits == 1 and records(tmp_path)
+    assert s.lmdb_commits == 1 and records(tmp_path, s._wal_key)
     s.close()
 
 
@@ -384,3 +389,84 @@ def test_reads_during_the_write_threads_catch_up_are_never_short(tmp_path: Path)
         s.close()
     assert reads > 0
     assert short == 0, f"{short} short reads of {reads}"
+
+
+def _forged(seq: int, key: int) -> bytes:
+    """A whole write-ahead log record a producer could put in a message body."""
+    return wal.encode_record(seq, HardState(term=99, vote=1, commit=0), 1, chain(1, [99]), key)
+
+
+@pytest.mark.parametrize("keyed", [True, False])
+def test_a_record_forged_inside_a_torn_tail_does_not_pass_for_rot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, keyed: bool
+) -> None:
+    """A power cut tears the last record, whose message bytes hold a whole
+    record with a high number (one copy at each offset mod 8, so one lies
+    on the 8-byte grid that the check for rot reads). Forged without the
+    store's key it fails its CRC, and the tail is cut off as torn. Without
+    a key (``keyed=False``, the CRC of stores before keys existed) the
+    forgery passes and refuses a replica that was merely torn."""
+    if not keyed:
+        monkeypatch.setattr(wal, "new_key", lambda: 0)
+    s = LmdbStorage(tmp_path)
+    s.append(chain(1, [1, 1]))
+    s.sync()
+    fake = _forged(10**12, 0)
+    payload = b"\0".join([fake] * 8)
+    tail = [Entry(index=3, term=1, data=payload, pos=end_pos(s))]
+    s.append(tail)
+    s.sync()
+    crash(s)
+    ((off2, _),) = [r for r in records(tmp_path) if r[1] == 2]
+    path = tmp_path / wal.WAL_NAME
+    os.truncate(path, len(wal_bytes(tmp_path)) - 8)  # the second write cut short
+    assert len(wal_bytes(tmp_path)) > off2 + len(payload)  # every copy is on disk
+    if not keyed:
+        with pytest.raises(StorageCorrupted, match="rotted"):
+            LmdbStorage(tmp_path)
+        return
+    with caplog.at_level(logging.WARNING):
+        r = LmdbStorage(tmp_path)
+    assert "torn or damaged record" in caplog.text
+    assert (r.wal_replayed, r.last_index()) == (1, 2)
+    r.close()
+
+
+def test_a_store_logged_before_keys_replays_then_logs_under_a_new_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with monkeypatch.context() as m:  # the build before keys: no key, plain CRC32
+        m.setattr(LmdbStorage, "_new_wal_key", lambda self: None)
+        old = LmdbStorage(tmp_path)
+        old.append(chain(1, [1, 1]))
+        old.sync()
+        assert old._wal_key == 0
+        crash(old)
+    assert wal_key(tmp_path) == 0 and [q for _, q in records(tmp_path, 0)] == [1]
+    s = LmdbStorage(tmp_path)
+    assert (s.wal_replayed, s.last_index()) == (1, 2)
+    assert s._wal_key != 0 and wal_bytes(tmp_path) == b""  # covered, emptied, keyed
+    s.append(chain(3, [1], pos=end_pos(s)))
+    s.sync()
+    crash(s)
+    key = wal_key(tmp_path)
+    assert key != 0 and [q for _, q in records(tmp_path, key)] == [2]
+    assert records(tmp_path, 0) == []
+    r = LmdbStorage(tmp_path, verify="full")
+    assert (r.wal_replayed, r.last_index(), r._wal_key) == (1, 3, key)
+    assert r.verify_all() == 3
+    r.close()
+
+
+def test_the_key_is_sealed(tmp_path: Path) -> None:
+    s = LmdbStorage(tmp_path)
+    s.close()
+    env = lmdb.open(str(tmp_path), max_dbs=16)
+    with env.begin(write=True) as txn:
+        meta = env.open_db(b"meta", txn=txn)
+        raw = bytearray(txn.get(b"wal_key", db=meta))
+        raw[2] ^= 1
+        txn.put(b"wal_key", bytes(raw), db=meta)
+    env.close()
+    with pytest.raises(StorageCorrupted, match="write-ahead log key"):
+        LmdbStorage(tmp_path)

@@ -1394,6 +1394,14 @@ class LmdbStorage:
         not taken yet."""
         return self._failed is None and self._wal_due() and not self._unsynced()
 
+    def catches_up(self) -> bool:
+        """Whether group commits go to the write-ahead log (sync mode), so
+        that LMDB catches up with them (:meth:`checkpoint`, an LMDB commit)
+        within ``WAL_COMMIT_INTERVAL_S`` of any activity. The node lets the
+        owner's side rows (its state's checkpoint) wait for that commit
+        rather than turn a group commit into an LMDB commit."""
+        return self._failed is None and self._wal is not None and self._wal_on
+
     def _loggable(self) -> bool:
         """Whether the batch may go to the write-ahead log: appends, cuts at
         the back and the hard state, not too large; a snapshot, a compaction
@@ -1521,30 +1529,31 @@ class LmdbStorage:
             self._remove_stale_snapshot_files()
 
     def checkpoint(self) -> bool:
-        """Commit to LMDB now what only the write-ahead log holds. Not done
-        (returns False) while buffered writes wait for a ``sync()``: LMDB
-        can only take the whole batch, and those must stay as undurable as
-        a crash would leave them."""
+        """Commit to LMDB now what only the write-ahead log holds, with the
+        owner's side rows staged meanwhile (they wait for the next LMDB
+        commit; this is one). Not done (returns False) while changes to the
+        log wait for a ``sync()``: LMDB can only take the whole batch, and
+        those must stay as undurable as a crash would leave them."""
         if self._failed is not None:
             raise self._failed
         if self._wal_behind_s is None or not self._has_batch():
             return True
-        if self._unsynced():
+        if self._unsynced(side=False):
             return False
         self._commit()
         return True
 
-    def _unsynced(self) -> bool:
+    def _unsynced(self, *, side: bool = True) -> bool:
         """Whether anything changed since the last sync(): new entries or a
-        cut, the hard state, a compaction, a snapshot or side rows (the last
-        three go to LMDB at once when synced, so their being buffered means
-        no sync() took them yet)."""
+        cut, the hard state, a compaction, a snapshot or (``side``) side
+        rows (the last three go to LMDB at once when synced, so their being
+        buffered means no sync() took them yet)."""
         return (
             self._wal_from is not None
             or self._hs != self._wal_hs
             or self._front_dirty
             or self._snap_pending is not None
-            or bool(self._side_pending)
+            or (side and bool(self._side_pending))
         )
 
     def small_batch(self, max_bytes: int) -> bool:

@@ -125,6 +125,9 @@ class MemoryStorage:
         """No second store to catch up (LmdbStorage's write-ahead log)."""
         return False
 
+    def catches_up(self) -> bool:
+        return False
+
     def checkpoint(self) -> bool:
         return True
 

@@ -1060,9 +1060,11 @@ class Node:
                     conf_applied = self._apply(rd, entries=not early)
                     r.advance(rd)
                     self._after_advance(r, rd, conf_applied)
-                    self._maybe_checkpoint()
-                    if self._storage is not None and self._storage.catch_up_due():
-                        self._maybe_checkpoint(catch_up=True)  # its rows ride the catch-up
+                    # Asked before a checkpoint is staged (its rows make the
+                    # storage say no): a due one then rides this catch-up.
+                    catch_up = self._storage is not None and self._storage.catch_up_due()
+                    self._maybe_checkpoint(catch_up)
+                    if catch_up:
                         await self._catch_up(r, rd)  # after the Ready's answers
                     if rd.snapshot is not None:
                         self._update_peers(r)
@@ -1568,7 +1570,8 @@ class Node:
     async def _checkpoint_housekeeping(self) -> None:
         """A checkpoint staged but not yet written (no Ready came to carry
         it: the node went quiet) gets a group commit of its own; one that
-        is due on a quiet node is staged first."""
+        is due on a quiet node is staged first (on a storage that catches
+        up, once ``_CHECKPOINT_DEFER_S`` has passed without a catch-up)."""
         sm = self._durable_sm
         if sm is None:
             return

@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from broker_adapter import CommandKind, encode_topic
 from dledger import node as node_module
 from dledger.storage import lmdb_store
 from dledger.storage.lmdb_store import LmdbStorage
-from tests.unit.test_commitlog_catchup import IDS, Cluster, until
+from tests.unit.test_commitlog_catchup import Cluster
 
 INTERVAL_S = 0.1  # the checkpoint interval here (1 s in production)
 
@@ -67,11 +66,8 @@ async def test_checkpoints_ride_the_catch_up_not_a_group_commit(
     monkeypatch.setattr(lmdb_store, "WAL_COMMIT_INTERVAL_S", INTERVAL_S)
     commits = SideCommits(monkeypatch)
     c = Cluster(tmp_path)
-    for nid in IDS:
-        await c.start(nid)
     try:
-        await until(lambda: c.leader() is not None, 10, "a leader")
-        await c.propose(encode_topic(CommandKind.CREATE_TOPIC, "t", c.ts, 2))
+        await c.start_with_topic()
         await c.produce(20, 0)  # warm: the first checkpoints of an idle start
         before = {nid: n.counters["checkpoints"] for nid, n in c.nodes.items()}
         commits.counting = True

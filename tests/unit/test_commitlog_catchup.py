@@ -116,6 +116,13 @@ class Cluster:
             lambda: all(n.applied >= target for n in self.nodes.values()), 20, "replicas applied"
         )
 
+    async def start_with_topic(self) -> None:
+        """Every member started, a leader, and topic ``t`` of 2 queues."""
+        for nid in IDS:
+            await self.start(nid)
+        await until(lambda: self.leader() is not None, 10, "a leader")
+        await self.propose(encode_topic(CommandKind.CREATE_TOPIC, "t", self.ts, 2))
+
     def answers(self, nid: int) -> Any:
         b = self.broker(nid)
         return b.stats(), all_messages(b)
@@ -125,11 +132,8 @@ async def test_a_follower_catches_up_by_log_within_retention_and_by_snapshot_beh
     tmp_path: Path,
 ) -> None:
     c = Cluster(tmp_path)
-    for nid in IDS:
-        await c.start(nid)
     try:
-        await until(lambda: c.leader() is not None, 10, "a leader")
-        await c.propose(encode_topic(CommandKind.CREATE_TOPIC, "t", c.ts, 2))
+        await c.start_with_topic()
         await c.produce(20, 0)
         await c.converged()
 

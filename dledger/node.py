@@ -1519,6 +1519,14 @@ class Node:
         if ready is not None:
             snap, name = ready
             if st.record_snapshot(snap, name):
+                if self._durable_sm is not None and self._ckpt_applied < snap.meta.index:
+                    # A start takes a state checkpoint only at or after the
+                    # snapshot it finds ([snapshot, commit], _load_checkpoint):
+                    # this record would leave every older one unusable, and a
+                    # crash before the next checkpoint rebuilt the whole
+                    # state from the snapshot and the log. A fresh one rides
+                    # the record's LMDB commit (which a snapshot needs anyway).
+                    self._stage_checkpoint(self._clock())
                 await self.env.offload(self._sync_blocking, st)
                 self._snap = snap
                 self.counters["snapshots_taken"] += 1

@@ -37,14 +37,6 @@ class SideCommits:
             orig_sync(st, catch_up=catch_up)
             if self.counting and side and st.lmdb_commits > before:
                 self.group += 1
-                import traceback
-
-                print(
-                    "GROUP",
-                    st._front_dirty,
-                    st._snap_pending is not None,
-                    "".join(traceback.format_stack(limit=8)),
-                )
 
         def checkpoint(st: LmdbStorage) -> bool:
             side, before = bool(st._side_pending), st.lmdb_commits

@@ -229,7 +229,11 @@ def _compare(
     ours = _ours(ctx, flush)
     rounds: list[dict[str, Any]] = []
     for i in range(int(d["rounds"])):
-        for who, system in (("ours", ours), (peer, peer_system)):
+        # Who goes first alternates from round to round: this machine's
+        # speed drifts over minutes (its speed index has halved within one
+        # run), and a fixed order hands the drift to one side every round.
+        pair = [("ours", ours), (peer, peer_system)]
+        for who, system in pair if i % 2 == 0 else pair[::-1]:
             ctx.log(f"{name} round {i + 1}/{int(d['rounds'])}: {who}")
             rec = _round(ctx, who, system, d)
             rec["round"] = i + 1
@@ -268,8 +272,8 @@ def run_vs_etcd(ctx: Context) -> BenchResult:
         "each time), a batch of 100 = POST /v3/kv/txn with 100 puts in `success` (one Raft "
         "entry). Ours gets the binary produce body (application/vnd.dledger.batch, what the "
         "Python client sends; http_produce measures it against JSON).",
-        "Clusters run one at a time, rounds interleaved; the load generator shares the two "
-        "cores with the servers.",
+        "Clusters run one at a time, rounds interleaved (who goes first alternates from "
+        "round to round); the load generator shares the two cores with the servers.",
     ]
     return res
 

@@ -216,3 +216,27 @@ def test_a_figure_of_runs_without_a_latency_is_empty_not_a_crash() -> None:
     assert (f.n, f.min, f.max) == (2, 3.0, 5.0)
     empty = Figure.of("k", "k", "ms", [None])
     assert empty.n == 0 and empty.median != empty.median
+
+
+def test_who_goes_first_alternates_from_round_to_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """This machine's speed drifts over minutes: a fixed order would hand
+    the drift to the same side in every round."""
+    from benchmarks import bench_peers
+    from benchmarks.registry import Context
+
+    order: list[str] = []
+
+    def fake_round(ctx: Context, who: str, system: object, d: object) -> dict[str, object]:
+        order.append(who)
+        return {"who": who}
+
+    monkeypatch.setattr(bench_peers, "_round", fake_round)
+    monkeypatch.setattr(bench_peers, "_figures", lambda *a, **k: [])
+    ctx = Context(quick=False, big=False, out_dir=tmp_path, work_dir=tmp_path)
+    res = bench_peers._compare(
+        ctx, "vs_x", "sync", "peer", "Peer", bench_peers._ours(ctx, "sync"), {}
+    )
+    assert order == ["ours", "peer", "peer", "ours", "ours", "peer"]
+    assert [r["who"] for r in res.raw["rounds"]] == order

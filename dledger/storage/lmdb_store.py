@@ -251,8 +251,10 @@ CATCH_UP_SHARE_MIN = 0.75
 
 # A generator of the storage's own: the process-wide one belongs to whoever
 # shares the process (a seeded run, hypothesis's checks around each draw;
-# tests/http/test_global_random.py).
+# tests/http/test_global_random.py). Reseeded in a forked child, as the
+# process-wide one is, so replicas forked from one parent still draw apart.
 _RNG = random.Random()
+os.register_at_fork(after_in_child=_RNG.seed)
 
 
 def _catch_up_share() -> float:

@@ -7,12 +7,14 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from aiohttp.web_runner import BaseRunner
 
+from dledger.cluster import free_ports
 from dledger.config import NodeConfig
 from dledger.node import Node
 from http_api.guard import HttpLimits
@@ -52,6 +54,22 @@ class NodeTestServer(TestServer):
 
     async def _make_runner(self, **kwargs: Any) -> BaseRunner:
         return NodeAppRunner(self.app, self.limits, self.express, **kwargs)
+
+
+def one_node_config(tmp_path: Path, cluster_id: str, **kw: Any) -> NodeConfig:
+    """A one-voter node's config on free loopback ports, its data under
+    ``tmp_path``; ``kw`` sets any other field."""
+    raft_port, http_port = free_ports(2)
+    return NodeConfig(
+        node_id=1,
+        cluster_id=cluster_id,
+        raft_host="127.0.0.1",
+        raft_port=raft_port,
+        http_host="127.0.0.1",
+        http_port=http_port,
+        data_dir=str(tmp_path / "n1"),
+        **kw,
+    )
 
 
 @asynccontextmanager

@@ -15,25 +15,13 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from dledger.cluster import free_ports
-from dledger.config import NodeConfig
 from tests.http.conformance import Conformance
-from tests.http.onenode import serve_one_node
+from tests.http.onenode import one_node_config, serve_one_node
 
 
 @pytest.fixture
 async def client(tmp_path: Path) -> AsyncIterator[TestClient[Any, Any]]:
-    raft_port, http_port = free_ports(2)
-    cfg = NodeConfig(
-        node_id=1,
-        cluster_id="api",
-        raft_host="127.0.0.1",
-        raft_port=raft_port,
-        http_host="127.0.0.1",
-        http_port=http_port,
-        data_dir=str(tmp_path / "n1"),
-        max_entry_bytes=256 << 10,
-    )
+    cfg = one_node_config(tmp_path, "api", max_entry_bytes=256 << 10)
     async with serve_one_node(cfg) as c:
         yield c
 

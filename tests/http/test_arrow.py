@@ -18,8 +18,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from broker_adapter.errors import MalformedCommand
-from dledger.cluster import free_ports, http_request
-from dledger.config import NodeConfig
+from dledger.cluster import http_request
 from dledger.errors import StorageCorrupted
 from http_api import arrow
 from http_api.server import API_KEY
@@ -32,18 +31,9 @@ PAGE = "/v1/topics/{t}/queues/{q}/messages"
 
 @pytest.fixture
 async def client(tmp_path: Path) -> AsyncIterator[TestClient[Any, Any]]:
-    from tests.http.onenode import serve_one_node
+    from tests.http.onenode import one_node_config, serve_one_node
 
-    raft_port, http_port = free_ports(2)
-    cfg = NodeConfig(
-        node_id=1,
-        cluster_id="arrow",
-        raft_host="127.0.0.1",
-        raft_port=raft_port,
-        http_host="127.0.0.1",
-        http_port=http_port,
-        data_dir=str(tmp_path / "n1"),
-    )
+    cfg = one_node_config(tmp_path, "arrow")
     async with serve_one_node(cfg) as c:
         yield c
 

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from dledger.cluster import free_ports, http_request
-from dledger.config import AuthSpec, NodeConfig, TokenSpec
+from dledger.cluster import http_request
+from dledger.config import AuthSpec, TokenSpec
 from dledger.http_auth import ROUTE_ROLES
 from tests.http.apiclient import ApiCluster
-from tests.http.onenode import serve_one_node
+from tests.http.onenode import one_node_config, serve_one_node
 
 PRODUCE = "produce-token-0123456789"
 CONSUME = "consume-token-0123456789"
@@ -40,17 +40,7 @@ TOKENS = {"produce": PRODUCE, "consume": CONSUME, "admin": ADMIN}
 
 @pytest.fixture
 async def client(tmp_path: Path) -> AsyncIterator[TestClient[Any, Any]]:
-    raft_port, http_port = free_ports(2)
-    cfg = NodeConfig(
-        node_id=1,
-        cluster_id="auth",
-        raft_host="127.0.0.1",
-        raft_port=raft_port,
-        http_host="127.0.0.1",
-        http_port=http_port,
-        data_dir=str(tmp_path / "n1"),
-        auth=AUTH,
-    )
+    cfg = one_node_config(tmp_path, "auth", auth=AUTH)
     async with serve_one_node(cfg) as c:
         yield c
 

@@ -18,22 +18,11 @@ import random
 import time
 from pathlib import Path
 
-from dledger.cluster import free_ports
-from dledger.config import NodeConfig
-from tests.http.onenode import serve_one_node
+from tests.http.onenode import one_node_config, serve_one_node
 
 
 async def test_a_busy_node_never_moves_the_global_random_state(tmp_path: Path) -> None:
-    raft_port, http_port = free_ports(2)
-    cfg = NodeConfig(
-        node_id=1,
-        cluster_id="rnd",
-        raft_host="127.0.0.1",
-        raft_port=raft_port,
-        http_host="127.0.0.1",
-        http_port=http_port,
-        data_dir=str(tmp_path / "n1"),
-    )
+    cfg = one_node_config(tmp_path, "rnd")
     async with serve_one_node(cfg) as c:
         r = await c.post("/v1/topics", json={"name": "t", "queues": 2})
         assert r.status == 201, await r.text()

@@ -11,27 +11,16 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient
 
-from dledger.cluster import free_ports
 from dledger.config import NodeConfig
 from dledger.node import Node
 from dledger.storage.lmdb_store import LmdbStorage
 from http_api.guard import HttpLimits
 from http_api.server import make_node_app, make_state_machine
-from tests.http.onenode import NodeTestServer
+from tests.http.onenode import NodeTestServer, one_node_config
 
 
 def _cfg(tmp_path: Path, **kw: Any) -> NodeConfig:
-    raft_port, http_port = free_ports(2)
-    return NodeConfig(
-        node_id=1,
-        cluster_id="ckpt",
-        raft_host="127.0.0.1",
-        raft_port=raft_port,
-        http_host="127.0.0.1",
-        http_port=http_port,
-        data_dir=str(tmp_path / "n1"),
-        **kw,
-    )
+    return one_node_config(tmp_path, "ckpt", **kw)
 
 
 async def _run(cfg: NodeConfig, work: Any) -> tuple[Node, Any]:
